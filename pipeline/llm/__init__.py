@@ -1,0 +1,1 @@
+"""The LLM stage: a target model, decoding steps of verified tokens, chat prompts."""

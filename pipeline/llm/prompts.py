@@ -1,0 +1,66 @@
+"""Chat prompts: the persona, the session's history and the task, in the model's chat template."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+DEFAULT_PERSONA = (
+    "You are a friendly avatar in a live spoken conversation. "
+    "Answer in one to three short sentences of plain speech, without lists or markup."
+)
+CAPTION_INSTRUCTION = (
+    "Rewrite this transcript as a clean caption, keeping the speaker's words: "
+)
+
+
+class Task(Enum):
+    DIALOGUE = "dialogue"
+    CAPTION = "caption"
+
+
+@dataclass(frozen=True)
+class Exchange:
+    user: str
+    assistant: str
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room for the reply inside the model's context window."""
+
+
+def chat_messages(
+    task: Task, user_text: str, persona: str = DEFAULT_PERSONA, history: tuple[Exchange, ...] = ()
+) -> list[dict[str, str]]:
+    if task is Task.CAPTION:
+        return [{"role": "user", "content": CAPTION_INSTRUCTION + user_text}]
+    messages = [{"role": "system", "content": persona}]
+    for exchange in history:
+        messages.append({"role": "user", "content": exchange.user})
+        messages.append({"role": "assistant", "content": exchange.assistant})
+    messages.append({"role": "user", "content": user_text})
+    return messages
+
+
+def encode_chat(tokenizer: object, messages: list[dict[str, str]]) -> list[int]:
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)  # type: ignore[attr-defined]
+    ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
+    return [int(i) for i in ids]
+
+
+def fit_history(
+    tokenizer: object,
+    task: Task,
+    user_text: str,
+    persona: str,
+    history: tuple[Exchange, ...],
+    budget_tokens: int,
+) -> list[int]:
+    """Encode the prompt, dropping the oldest exchanges until it fits `budget_tokens`."""
+    for start in range(len(history) + 1):
+        ids = encode_chat(tokenizer, chat_messages(task, user_text, persona, history[start:]))
+        if len(ids) <= budget_tokens:
+            return ids
+    raise PromptTooLongError(
+        f"the prompt is {len(ids)} tokens; at most {budget_tokens} fit beside the reply"
+    )

@@ -1,0 +1,1 @@
+"""The TTS stage: phrases cut from a growing reply, synthesized with their place in the timeline."""

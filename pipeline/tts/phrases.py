@@ -1,0 +1,70 @@
+"""Cutting a growing reply into speakable phrases.
+
+The first phrase goes out as soon as it is complete, at a clause boundary or a
+length cap, because the first audio is what the listener waits for; later phrases
+end at sentence boundaries, which sound more natural.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+SENTENCE_END = re.compile(r"[.!?…]+[\"')\]]*\s")
+CLAUSE_END = re.compile(r"[,;:—–]\s|[.!?…]+[\"')\]]*\s")
+# A period after these is not a sentence end.
+ABBREVIATIONS = frozenset({"mr", "mrs", "ms", "dr", "prof", "st", "vs", "etc", "e.g", "i.e", "no", "jr", "sr"})
+
+
+@dataclass(frozen=True)
+class PhraseOptions:
+    first_phrase_min_chars: int = 12  # shorter clauses are joined to the next one
+    first_phrase_max_chars: int = 60  # cut at a word boundary past this
+    max_phrase_chars: int = 220
+
+
+class PhraseCutter:
+    """Feed text deltas; take complete phrases as they form; `flush()` at the end."""
+
+    def __init__(self, options: PhraseOptions = PhraseOptions()) -> None:
+        self.options = options
+        self._text = ""
+        self._phrases_out = 0
+
+    def feed(self, delta: str) -> list[str]:
+        self._text += delta
+        phrases = []
+        while (cut := self._next_cut()) is not None:
+            phrase, self._text = self._text[:cut].strip(), self._text[cut:]
+            if _speakable(phrase):
+                phrases.append(phrase)
+                self._phrases_out += 1
+        return phrases
+
+    def flush(self) -> list[str]:
+        phrase, self._text = self._text.strip(), ""
+        return [phrase] if _speakable(phrase) else []
+
+    def _next_cut(self) -> int | None:
+        first = self._phrases_out == 0
+        pattern = CLAUSE_END if first else SENTENCE_END
+        min_chars = self.options.first_phrase_min_chars if first else 1
+        for match in pattern.finditer(self._text):
+            if match.end() >= min_chars and not _after_abbreviation(self._text, match.start()):
+                return match.end()
+        cap = self.options.first_phrase_max_chars if first else self.options.max_phrase_chars
+        if len(self._text) > cap:
+            space = self._text.rfind(" ", 0, cap)
+            return space + 1 if space > 0 else cap
+        return None
+
+
+def _after_abbreviation(text: str, dot: int) -> bool:
+    if text[dot] != ".":
+        return False
+    word = text[:dot].rsplit(None, 1)[-1].lower() if text[:dot].strip() else ""
+    return word in ABBREVIATIONS or (len(word) == 1 and word.isalpha())
+
+
+def _speakable(phrase: str) -> bool:
+    return any(ch.isalnum() for ch in phrase)

@@ -1,0 +1,34 @@
+"""Piper synthesis of one phrase at a time (blocking: services run it in a thread)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.audio import resample
+from pipeline.models import resolve_piper_voice
+
+
+@dataclass(frozen=True)
+class TtsOptions:
+    voice: str = "bundled"  # the bundled en_US-joe-medium, or a Piper .onnx path
+    use_cuda: bool = False
+
+
+class PiperSynthesizer:
+    def __init__(self, options: TtsOptions) -> None:
+        from piper import PiperVoice
+
+        files = resolve_piper_voice(options.voice)
+        self.voice = PiperVoice.load(files.model_path, config_path=files.config_path, use_cuda=options.use_cuda)
+        self.sample_rate_hz = int(self.voice.config.sample_rate)
+
+    def warm_up(self) -> None:
+        self.synthesize("Hello there.")
+
+    def synthesize(self, text: str, sample_rate_hz: int = 0) -> np.ndarray:
+        """Mono float32 audio of `text` at `sample_rate_hz` (0: the voice's rate)."""
+        parts = [chunk.audio_float_array for chunk in self.voice.synthesize(text)]
+        audio = np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
+        return resample(audio, self.sample_rate_hz, sample_rate_hz or self.sample_rate_hz)

@@ -1,0 +1,1 @@
+"""specvox's gRPC services, Redis adapters and command line."""

@@ -1,0 +1,169 @@
+"""The `specvox` command line: up, serve, client, say."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+SERVICES = ("asr", "llm", "tts", "gateway")
+START_ORDER = ("tts", "asr", "llm", "gateway")  # the gateway last: it calls the others
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specvox", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("up", help="start Redis (embedded unless configured) and all four services on loopback")
+    serve = sub.add_parser("serve", help="start one service alone")
+    serve.add_argument("service", choices=SERVICES)
+    client = sub.add_parser("client", help="stream a WAV to the gateway and save the reply")
+    client.add_argument("--wav", required=True, help="16-bit PCM WAV, mono or stereo, 8-48 kHz")
+    client.add_argument("--address", default="", help="gateway host:port (default: from settings)")
+    client.add_argument("--out", default="out/client", help="folder for reply.wav, captions.vtt, report.json")
+    client.add_argument("--no-realtime", action="store_true", help="send the audio as fast as possible")
+    say = sub.add_parser("say", help="synthesize text with the configured voice into a WAV file")
+    say.add_argument("text")
+    say.add_argument("--out", required=True)
+    say.add_argument("--sample-rate", type=int, default=16_000)
+    say.add_argument("--pad-s", type=float, default=0.5, help="silence before and after the speech")
+    args = parser.parse_args(argv)
+
+    from services.runtime import configure_logging
+    from services.settings import Settings
+
+    configure_logging(os.environ.get("SPECVOX_LOG_LEVEL", "WARNING" if args.command == "client" else "INFO"))
+    settings = Settings()
+    if args.command == "up":
+        return up(settings)
+    if args.command == "serve":
+        return serve_one(settings, args.service)
+    if args.command == "client":
+        return run_client(settings, args)
+    return say_to_file(settings, args.text, args.out, args.sample_rate, args.pad_s)
+
+
+def serve_one(settings, service: str) -> int:
+    import importlib
+
+    module = importlib.import_module(f"services.{service}_service")
+    asyncio.run(module.run(settings))
+    return 0
+
+
+def up(settings) -> int:
+    """Run every service as its own process (models load in parallel, no shared GIL)."""
+    from services.redis_store import EmbeddedRedis
+
+    embedded = None
+    env = dict(os.environ)
+    if not settings.redis_url:
+        embedded = EmbeddedRedis().start()
+        env["SPECVOX_REDIS_URL"] = embedded.url
+        print(f"specvox: embedded Valkey at {embedded.url}", flush=True)
+    children: dict[str, subprocess.Popen] = {}
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        for name in START_ORDER:
+            children[name] = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", name], env=env)
+        if not _wait_healthy(settings, children, lambda: stopping):
+            return 1
+        print("specvox: all services ready", flush=True)
+        for name in SERVICES:
+            print(f"  {name:<8} {settings.address(name)}", flush=True)
+        print("  redis    " + (embedded.url if embedded else str(settings.redis_url)), flush=True)
+        print("specvox: Ctrl-C stops everything", flush=True)
+        while not stopping:
+            for name, child in children.items():
+                if child.poll() is not None:
+                    print(f"specvox: {name} exited with {child.returncode}; stopping", file=sys.stderr)
+                    return 1
+            time.sleep(0.2)
+        return 0
+    finally:
+        _stop_children(children)
+        if embedded:
+            embedded.stop()
+        print("specvox: stopped", flush=True)
+
+
+def _wait_healthy(settings, children, stopping, timeout_s: float = 300.0) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline, pending = time.monotonic() + timeout_s, set(children)
+    while pending and not stopping():
+        for name in sorted(pending):
+            if children[name].poll() is not None:
+                print(f"specvox: {name} failed to start (exit {children[name].returncode})", file=sys.stderr)
+                return False
+            with grpc.insecure_channel(settings.address(name)) as channel:
+                try:
+                    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+                except grpc.RpcError:
+                    continue
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                pending.discard(name)
+        if time.monotonic() > deadline:
+            print(f"specvox: not ready after {timeout_s:.0f} s: {', '.join(sorted(pending))}", file=sys.stderr)
+            return False
+        time.sleep(0.3)
+    return not pending
+
+
+def _stop_children(children: dict[str, subprocess.Popen]) -> None:
+    for child in children.values():
+        if child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+    for name, child in children.items():
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            print(f"specvox: {name} did not stop in 10 s; killing it", file=sys.stderr)
+            child.kill()
+
+
+def run_client(settings, args) -> int:
+    from services.client import ClientOptions, converse, write_outputs
+
+    options = ClientOptions(realtime=not args.no_realtime, max_message_bytes=settings.max_message_bytes)
+    turns = asyncio.run(converse(args.address or settings.address("gateway"), args.wav, options))
+    report = write_outputs(turns, args.out)
+    print(f"you said:      {report['transcript']}")
+    print(f"avatar said:   {report['reply_text']}")
+    print(f"voice to voice: {report['voice_to_voice_ms']} ms (budget {report['budget_ms']} ms)")
+    for stage, times in report["stages"].items():
+        rel = times["ms_after_speech_end"]
+        print(f"  {stage:<8} first in {rel['first_in']:>6} ms, first out {rel['first_out']:>6} ms, "
+              f"last out {rel['last_out']:>6} ms  (after end of speech)")
+    print(f"wrote {args.out}/reply.wav, captions.vtt, report.json")
+    return 0
+
+
+def say_to_file(settings, text: str, out: str, sample_rate_hz: int, pad_s: float) -> int:
+    import numpy as np
+
+    from pipeline.audio import float_to_pcm16, wav_bytes
+    from pipeline.tts.piper_backend import PiperSynthesizer
+
+    audio = PiperSynthesizer(settings.tts).synthesize(text, sample_rate_hz)
+    pad = np.zeros(int(pad_s * sample_rate_hz), np.float32)
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "wb") as f:
+        f.write(wav_bytes(float_to_pcm16(np.concatenate([pad, audio, pad])), sample_rate_hz))
+    print(f"wrote {out} ({audio.size / sample_rate_hz:.2f} s of speech)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""The gateway: the session API for avatar backends.
+
+One `Converse` stream is one conversation: the client's audio goes to asr; each
+final transcript starts a turn, whose reply is written by llm (to the turn's Redis
+stream) and spoken by tts (from that stream) at the same time. Speech from the
+user while a turn runs cancels it (barge-in).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from pipeline.audio import AudioFormatError, PcmFormat, parse_wav_header
+from pipeline.captions import Cue, webvtt_block
+from services.grpc_server import StageClock, message_options, serve, status_on_error
+from services.protos import load
+from services.redis_store import now_ms
+from services.runtime import RedisContext, open_redis
+from services.settings import Settings
+
+pb, pb_grpc = load("gateway")
+asr_pb, asr_grpc = load("asr")
+llm_pb, llm_grpc = load("llm")
+tts_pb, tts_grpc = load("tts")
+log = logging.getLogger(__name__)
+END = object()
+
+
+class AudioArrivalClock:
+    """Maps a time in the input audio to when the gateway received it (Unix ms)."""
+
+    def __init__(self, fmt: pb.AudioFormat) -> None:
+        self._bytes_per_s = 0.0
+        self._header = b""
+        self._audio_bytes = 0
+        self._ends_s: list[float] = []
+        self._arrivals_ms: list[int] = []
+        if fmt.encoding == pb.AudioFormat.PCM_S16LE:
+            pcm = PcmFormat(fmt.sample_rate_hz, fmt.channels or 1, fmt.sample_width_bytes or 2).validate()
+            self._bytes_per_s = pcm.sample_rate_hz * pcm.frame_bytes
+        elif fmt.encoding != pb.AudioFormat.WAV:
+            raise AudioFormatError("audio encoding is unspecified: choose PCM_S16LE or WAV")
+
+    def received(self, chunk: bytes) -> None:
+        if not self._bytes_per_s:
+            self._header += chunk
+            parsed = parse_wav_header(self._header)
+            if parsed is None:
+                return
+            fmt, offset = parsed
+            self._bytes_per_s = fmt.sample_rate_hz * fmt.frame_bytes
+            chunk, self._header = self._header[offset:], b""
+        self._audio_bytes += len(chunk)
+        self._ends_s.append(self._audio_bytes / self._bytes_per_s)
+        self._arrivals_ms.append(now_ms())
+
+    def arrival_ms(self, audio_s: float) -> int:
+        i = bisect.bisect_left(self._ends_s, audio_s - 1e-6)
+        return self._arrivals_ms[min(i, len(self._arrivals_ms) - 1)] if self._arrivals_ms else 0
+
+
+@dataclass
+class Stubs:
+    asr: asr_grpc.AsrStub
+    llm: llm_grpc.LlmStub
+    tts: tts_grpc.TtsStub
+
+
+@dataclass
+class Turn:
+    """One user utterance and the reply to it."""
+
+    turn_id: str
+    transcript: asr_pb.TranscriptEvent
+    speech_end_unix_ms: int
+    clock: StageClock = field(default_factory=lambda: StageClock("gateway"))
+    reply_text: str = ""
+    finish_reason: str = ""
+    first_audio_sent_unix_ms: int = 0
+    stage_times: list = field(default_factory=list)
+
+
+class Conversation:
+    """The state of one Converse stream; events for the client go through `events`."""
+
+    def __init__(self, servicer: GatewayServicer, start: pb.StreamStart) -> None:
+        self.servicer = servicer
+        self.start = start
+        self.arrivals = AudioArrivalClock(start.format)
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.turn_task: asyncio.Task | None = None
+
+    async def run(self, client_messages: AsyncIterator) -> None:
+        try:
+            call = self.servicer.stubs.asr.Transcribe(self._asr_requests(client_messages))
+            async for event in call:
+                await self._on_transcript(event)
+            if self.turn_task:
+                await self.turn_task
+            await self.events.put(END)
+        except BaseException as e:  # delivered to the client's stream by Converse
+            await self.events.put(e)
+
+    async def _asr_requests(self, client_messages: AsyncIterator) -> AsyncIterator:
+        fmt = self.start.format
+        yield asr_pb.TranscribeRequest(config=asr_pb.StreamConfig(
+            session_id=self.start.session_id,
+            format=asr_pb.AudioFormat(encoding=fmt.encoding, sample_rate_hz=fmt.sample_rate_hz,
+                                      channels=fmt.channels, sample_width_bytes=fmt.sample_width_bytes),
+        ))
+        async for message in client_messages:
+            if message.WhichOneof("payload") != "audio":
+                raise ValueError("only audio may follow the start message")
+            self.arrivals.received(message.audio)
+            yield asr_pb.TranscribeRequest(audio=message.audio)
+
+    async def _on_transcript(self, event: asr_pb.TranscriptEvent) -> None:
+        if event.kind == asr_pb.TranscriptEvent.SPEECH_STARTED:
+            await self._cancel_turn()  # barge-in
+            return
+        if event.kind != asr_pb.TranscriptEvent.FINAL or not event.text.strip():
+            return
+        await self._cancel_turn()
+        turn_id = await self.servicer.redis.turns.create(self.start.session_id)
+        turn = Turn(turn_id, event, self.arrivals.arrival_ms(event.speech_end_s))
+        turn.clock.received()
+        turn.stage_times.append(_stage(event.times))
+        await self._send(turn, transcript=pb.Transcript(
+            is_final=True, text=event.text, speech_start_s=event.speech_start_s, speech_end_s=event.speech_end_s,
+            words=[pb.Word(text=w.text, start_s=w.start_s, end_s=w.end_s) for w in event.words],
+        ))
+        self.turn_task = asyncio.create_task(self._run_turn(turn))
+
+    async def _cancel_turn(self) -> None:
+        if self.turn_task and not self.turn_task.done():
+            self.turn_task.cancel()
+            await asyncio.gather(self.turn_task, return_exceptions=True)
+
+    async def _run_turn(self, turn: Turn) -> None:
+        stubs, session_id = self.servicer.stubs, self.start.session_id
+        llm_call = stubs.llm.Reply(llm_pb.ReplyRequest(
+            session_id=session_id, turn_id=turn.turn_id, user_text=turn.transcript.text,
+            task=llm_pb.ReplyRequest.DIALOGUE))
+        tts_call = stubs.tts.SpeakTurn(tts_pb.SpeakTurnRequest(
+            session_id=session_id, turn_id=turn.turn_id, sample_rate_hz=self.start.reply_sample_rate_hz))
+        try:
+            await asyncio.gather(self._pump_reply(turn, llm_call), self._pump_speech(turn, tts_call))
+        finally:
+            llm_call.cancel()
+            tts_call.cancel()
+        await self._send(turn, report=self._report(turn))
+
+    async def _pump_reply(self, turn: Turn, call) -> None:
+        async for step in call:
+            turn.reply_text += step.text_delta
+            if step.text_delta:
+                await self._send(turn, reply_text=pb.ReplyText(text_delta=step.text_delta,
+                                                               accepted_tokens=step.accepted))
+            if step.end:
+                turn.finish_reason = step.finish_reason
+                turn.stage_times.append(_stage(step.times))
+
+    async def _pump_speech(self, turn: Turn, call) -> None:
+        async for event in call:
+            kind = event.WhichOneof("event")
+            if kind == "audio":
+                turn.first_audio_sent_unix_ms = turn.first_audio_sent_unix_ms or now_ms()
+                a = event.audio
+                await self._send(turn, audio=pb.AudioChunk(
+                    pcm_s16le=a.pcm_s16le, sample_rate_hz=a.sample_rate_hz, start_s=a.start_s))
+            elif kind == "cue":
+                c = event.cue
+                block = webvtt_block(Cue(c.start_s, c.end_s, c.text))
+                await self._send(turn, cue=pb.CaptionCue(start_s=c.start_s, end_s=c.end_s, text=c.text,
+                                                         webvtt=block))
+            elif kind == "times":
+                turn.stage_times.append(_stage(event.times))
+
+    async def _send(self, turn: Turn, **event) -> None:
+        turn.clock.emitted()
+        await self.events.put(pb.ServerEvent(turn_id=turn.turn_id, **event))
+
+    def _report(self, turn: Turn) -> pb.TurnReport:
+        return pb.TurnReport(
+            transcript=turn.transcript.text,
+            reply_text=turn.reply_text.strip(),
+            speech_end_s=turn.transcript.speech_end_s,
+            speech_end_unix_ms=turn.speech_end_unix_ms,
+            first_audio_sent_unix_ms=turn.first_audio_sent_unix_ms,
+            stages=[*turn.stage_times, turn.clock.to_proto(pb.StageTimes)],
+            budget_ms=self.servicer.settings.turn_budget_ms,
+            finish_reason=turn.finish_reason,
+        )
+
+
+def _stage(times) -> pb.StageTimes:
+    return pb.StageTimes(stage=times.stage, first_in_unix_ms=times.first_in_unix_ms,
+                         last_in_unix_ms=times.last_in_unix_ms, first_out_unix_ms=times.first_out_unix_ms,
+                         last_out_unix_ms=times.last_out_unix_ms)
+
+
+class GatewayServicer(pb_grpc.GatewayServicer):
+    def __init__(self, settings: Settings, redis: RedisContext, stubs: Stubs) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.stubs = stubs
+
+    async def CreateSession(self, request, context: grpc.aio.ServicerContext):
+        async with status_on_error(context, "gateway"):
+            if len(request.system_prompt) > 8_000:
+                raise ValueError("system_prompt is longer than 8000 characters")
+            return pb.Session(session_id=await self.redis.sessions.create(request.system_prompt))
+
+    async def Converse(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        async with status_on_error(context, "gateway"):
+            start = await _first_start(request_iterator)
+            await self.redis.sessions.require(start.session_id)
+            conversation = Conversation(self, start)
+            runner = asyncio.create_task(conversation.run(request_iterator))
+            try:
+                while (event := await conversation.events.get()) is not END:
+                    if isinstance(event, BaseException):
+                        raise event
+                    yield event
+            finally:
+                runner.cancel()
+                await conversation._cancel_turn()
+
+
+async def _first_start(request_iterator) -> pb.StreamStart:
+    async for message in request_iterator:
+        if message.WhichOneof("payload") != "start":
+            raise ValueError("the first message of a Converse stream must be its start message")
+        return message.start
+    raise ValueError("the stream ended before its start message")
+
+
+async def run(settings: Settings) -> None:
+    redis = await open_redis(settings)
+    options = message_options(settings.max_message_bytes)
+    channels = {name: grpc.aio.insecure_channel(settings.address(name), options=options)
+                for name in ("asr", "llm", "tts")}
+    stubs = Stubs(asr_grpc.AsrStub(channels["asr"]), llm_grpc.LlmStub(channels["llm"]),
+                  tts_grpc.TtsStub(channels["tts"]))
+    servicer = GatewayServicer(settings, redis, stubs)
+
+    async def close() -> None:
+        for channel in channels.values():
+            await channel.close()
+        await redis.close()
+
+    await serve(
+        "gateway",
+        lambda server: pb_grpc.add_GatewayServicer_to_server(servicer, server),
+        [pb.DESCRIPTOR.services_by_name["Gateway"].full_name],
+        f"{settings.host}:{settings.gateway_port}",
+        settings.max_message_bytes,
+        on_stop=close,
+    )

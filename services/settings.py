@@ -1,0 +1,66 @@
+"""specvox's configuration: defaults, then a TOML file, then SPECVOX_* environment variables.
+
+Stage options are the pipeline's own dataclasses, so a setting has one definition.
+Nested values use `__` in the environment: SPECVOX_LLM__MODEL=/models/smol.gguf.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from pipeline.asr import AsrOptions
+from pipeline.llm.model import LlmOptions
+from pipeline.tts.phrases import PhraseOptions
+from pipeline.tts.piper_backend import TtsOptions
+
+CONFIG_ENV = "SPECVOX_CONFIG"
+DEFAULT_CONFIG_FILE = "specvox.toml"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="SPECVOX_", env_nested_delimiter="__", extra="forbid")
+
+    redis_url: str | None = None  # None: start an embedded Valkey server
+    host: str = "127.0.0.1"
+    gateway_port: int = 50050
+    asr_port: int = 50051
+    llm_port: int = 50052
+    tts_port: int = 50053
+    # Where the gateway finds the other services; empty: host:port above.
+    asr_address: str = ""
+    llm_address: str = ""
+    tts_address: str = ""
+    max_message_bytes: int = 4 * 1024 * 1024
+    turn_budget_ms: int = 800
+    token_stream_ttl_s: int = 3600
+    session_ttl_s: int = 24 * 3600
+    token_timeout_s: float = 30.0
+
+    asr: AsrOptions = AsrOptions()
+    llm: LlmOptions = LlmOptions()
+    tts: TtsOptions = TtsOptions()
+    phrases: PhraseOptions = PhraseOptions()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        path = Path(os.environ.get(CONFIG_ENV, DEFAULT_CONFIG_FILE))
+        sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
+        if path.is_file():
+            sources += (TomlConfigSettingsSource(settings_cls, toml_file=path),)
+        elif CONFIG_ENV in os.environ:
+            raise FileNotFoundError(f"{CONFIG_ENV} names {path}, which does not exist")
+        return sources
+
+    def address(self, service: str) -> str:
+        explicit = getattr(self, f"{service}_address", "")
+        return explicit or f"{self.host}:{getattr(self, f'{service}_port')}"
