@@ -29,7 +29,7 @@ class AsrOptions:
     end_of_speech_silence_ms: int = 400
     min_speech_ms: int = 200
     vad_check_every_ms: int = 100
-    transcribe_pad_ms: int = 150  # audio kept either side of the detected speech
+    transcribe_pad_ms: int = 300  # audio kept either side of the detected speech
     max_utterance_s: float = 25.0  # forced close: Whisper sees at most 30 s
 
 

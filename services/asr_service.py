@@ -69,6 +69,7 @@ class AsrServicer(pb_grpc.AsrServicer):
             await self.sessions.require(config.session_id)
             decoder = WireAudioDecoder(config.format)
             segmenter = UtteranceSegmenter(self.options)
+            yield pb.TranscriptEvent(kind=Kind.READY, emitted_unix_ms=now_ms())
             async for request in request_iterator:
                 if request.WhichOneof("payload") != "audio":
                     raise ValueError("only audio may follow the stream's config message")

@@ -56,8 +56,11 @@ def serve_one(settings, service: str) -> int:
 
 def up(settings) -> int:
     """Run every service as its own process (models load in parallel, no shared GIL)."""
+    from services import protos
     from services.redis_store import EmbeddedRedis
 
+    if protos.is_stale():  # once here, not in four children racing to write the same files
+        protos.build()
     embedded = None
     env = dict(os.environ)
     if not settings.redis_url:

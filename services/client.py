@@ -66,14 +66,18 @@ async def converse(address: str, wav_path: str, options: ClientOptions = ClientO
     async with grpc.aio.insecure_channel(address, options=message_options(options.max_message_bytes)) as channel:
         stub = pb_grpc.GatewayStub(channel)
         session = await stub.CreateSession(pb.CreateSessionRequest())
-        started = time.time()
+        ready = asyncio.Event()
+        started = 0.0
 
         async def messages():
+            nonlocal started
             yield pb.ClientMessage(start=pb.StreamStart(
                 session_id=session.session_id,
                 format=pb.AudioFormat(encoding=pb.AudioFormat.PCM_S16LE, sample_rate_hz=fmt.sample_rate_hz,
                                       channels=fmt.channels, sample_width_bytes=2),
                 reply_sample_rate_hz=options.reply_sample_rate_hz))
+            await ready.wait()  # the gateway accepted session and format
+            started = time.time()
             for i, offset in enumerate(range(0, len(pcm), chunk_bytes)):
                 if options.realtime:
                     await asyncio.sleep(max(0.0, started + (i + 1) * options.chunk_ms / 1000 - time.time()))
@@ -81,6 +85,9 @@ async def converse(address: str, wav_path: str, options: ClientOptions = ClientO
 
         turns: dict[str, TurnResult] = {}
         async for event in stub.Converse(messages()):
+            if event.WhichOneof("event") == "ready":
+                ready.set()
+                continue
             turn = turns.setdefault(event.turn_id, TurnResult(turn_id=event.turn_id))
             _record(turn, event, started)
         return list(turns.values())

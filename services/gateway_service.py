@@ -82,6 +82,7 @@ class Turn:
     clock: StageClock = field(default_factory=lambda: StageClock("gateway"))
     reply_text: str = ""
     finish_reason: str = ""
+    error: str = ""
     first_audio_sent_unix_ms: int = 0
     stage_times: list = field(default_factory=list)
 
@@ -95,30 +96,48 @@ class Conversation:
         self.arrivals = AudioArrivalClock(start.format)
         self.events: asyncio.Queue = asyncio.Queue()
         self.turn_task: asyncio.Task | None = None
+        self._input_error: Exception | None = None
 
     async def run(self, client_messages: AsyncIterator) -> None:
         try:
-            call = self.servicer.stubs.asr.Transcribe(self._asr_requests(client_messages))
-            async for event in call:
-                await self._on_transcript(event)
+            call = self.servicer.stubs.asr.Transcribe()
+            forward = asyncio.create_task(self._forward_audio(client_messages, call))
+            try:
+                async for event in call:
+                    await self._on_transcript(event)
+            except (grpc.aio.AioRpcError, asyncio.CancelledError):
+                if self._input_error:  # bad client input ended the asr call: say so, not "cancelled"
+                    raise self._input_error from None
+                raise
+            finally:
+                forward.cancel()
             if self.turn_task:
                 await self.turn_task
             await self.events.put(END)
         except BaseException as e:  # delivered to the client's stream by Converse
             await self.events.put(e)
 
-    async def _asr_requests(self, client_messages: AsyncIterator) -> AsyncIterator:
+    async def _forward_audio(self, client_messages: AsyncIterator, call) -> None:
+        """Client audio → asr, checked here so bad input fails the conversation with its own message."""
         fmt = self.start.format
-        yield asr_pb.TranscribeRequest(config=asr_pb.StreamConfig(
-            session_id=self.start.session_id,
-            format=asr_pb.AudioFormat(encoding=fmt.encoding, sample_rate_hz=fmt.sample_rate_hz,
-                                      channels=fmt.channels, sample_width_bytes=fmt.sample_width_bytes),
-        ))
-        async for message in client_messages:
-            if message.WhichOneof("payload") != "audio":
-                raise ValueError("only audio may follow the start message")
-            self.arrivals.received(message.audio)
-            yield asr_pb.TranscribeRequest(audio=message.audio)
+        try:
+            await call.write(asr_pb.TranscribeRequest(config=asr_pb.StreamConfig(
+                session_id=self.start.session_id,
+                format=asr_pb.AudioFormat(encoding=fmt.encoding, sample_rate_hz=fmt.sample_rate_hz,
+                                          channels=fmt.channels, sample_width_bytes=fmt.sample_width_bytes),
+            )))
+            async for message in client_messages:
+                if message.WhichOneof("payload") != "audio":
+                    raise ValueError("only audio may follow the start message")
+                self.arrivals.received(message.audio)
+                await call.write(asr_pb.TranscribeRequest(audio=message.audio))
+            await call.done_writing()
+        except (ValueError, grpc.aio.AioRpcError) as e:
+            if not isinstance(e, grpc.aio.AioRpcError):
+                self._input_error = e
+            call.cancel()
+        except asyncio.InvalidStateError:
+            pass  # asr already ended the call; its status reaches run()
 
     async def _on_transcript(self, event: asr_pb.TranscriptEvent) -> None:
         if event.kind == asr_pb.TranscriptEvent.SPEECH_STARTED:
@@ -151,10 +170,17 @@ class Conversation:
             session_id=session_id, turn_id=turn.turn_id, sample_rate_hz=self.start.reply_sample_rate_hz))
         try:
             await asyncio.gather(self._pump_reply(turn, llm_call), self._pump_speech(turn, tts_call))
+        except asyncio.CancelledError:
+            turn.finish_reason = "cancelled"
+            raise
+        except grpc.aio.AioRpcError as e:  # the turn fails, the conversation goes on
+            log.warning("turn %s failed: %s", turn.turn_id, e.details())
+            turn.finish_reason, turn.error = "error", f"{e.code().name}: {e.details()}"
         finally:
             llm_call.cancel()
             tts_call.cancel()
-        await self._send(turn, report=self._report(turn))
+            turn.clock.emitted()
+            self.events.put_nowait(pb.ServerEvent(turn_id=turn.turn_id, report=self._report(turn)))
 
     async def _pump_reply(self, turn: Turn, call) -> None:
         async for step in call:
@@ -196,6 +222,7 @@ class Conversation:
             stages=[*turn.stage_times, turn.clock.to_proto(pb.StageTimes)],
             budget_ms=self.servicer.settings.turn_budget_ms,
             finish_reason=turn.finish_reason,
+            error=turn.error,
         )
 
 
@@ -222,6 +249,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             start = await _first_start(request_iterator)
             await self.redis.sessions.require(start.session_id)
             conversation = Conversation(self, start)
+            yield pb.ServerEvent(ready=pb.StreamReady(session_id=start.session_id))
             runner = asyncio.create_task(conversation.run(request_iterator))
             try:
                 while (event := await conversation.events.get()) is not END:

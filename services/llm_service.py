@@ -42,7 +42,7 @@ class LlmServicer(pb_grpc.LlmServicer):
             cancelled = threading.Event()
             context.add_done_callback(lambda _: cancelled.set())
             writer = TokenStreamWriter(self.redis.client, request.turn_id, self.settings.token_stream_ttl_s)
-            reply_text, ended = "", False
+            reply_text, ended, reason = "", False, "error"
             try:
                 async for step in self.worker.iterate(self.generator.steps(generation, cancelled.is_set)):
                     clock.emitted()
@@ -50,9 +50,12 @@ class LlmServicer(pb_grpc.LlmServicer):
                     await writer.append(_entry(step))
                     ended = step.finish_reason is not None
                     yield _reply_step(step, clock)
+            except (asyncio.CancelledError, GeneratorExit):
+                reason = "cancelled"
+                raise
             finally:
                 if not ended:  # cancelled or failed: readers of the stream must still see its end
-                    self._end_stream_later(writer, "cancelled" if cancelled.is_set() else "error")
+                    self._end_stream_later(writer, reason)
             if TASKS.get(request.task, Task.DIALOGUE) is Task.DIALOGUE and reply_text.strip():
                 await self.sessions.append(request.session_id, Exchange(request.user_text, reply_text.strip()))
 

@@ -105,11 +105,11 @@ def connect(url: str) -> aioredis.Redis:
     return aioredis.from_url(url, decode_responses=True)
 
 
-class UnknownSessionError(KeyError):
+class UnknownSessionError(LookupError):
     pass
 
 
-class UnknownTurnError(KeyError):
+class UnknownTurnError(LookupError):
     pass
 
 
@@ -215,10 +215,12 @@ class TokenStreamWriter:
     ttl_s: int = 3600
 
     async def append(self, entry: TokenEntry) -> None:
+        """XADD and EXPIRE in one round trip, so even a stream whose writer dies expires."""
         key = token_stream_key(self.turn_id)
-        await self.redis.xadd(key, entry.fields())
-        if entry.end:
-            await self.redis.expire(key, self.ttl_s)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(key, entry.fields())
+            pipe.expire(key, self.ttl_s)
+            await pipe.execute()
 
 
 class TokenStreamTimeout(TimeoutError):

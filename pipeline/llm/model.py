@@ -57,7 +57,7 @@ def load_model(options: LlmOptions) -> LoadedModel:
         ref.name_or_path, dtype=torch_dtype(options.dtype), **common
     )
     device = torch.device(options.device)
-    model.to(device).eval()
+    model = model.to(device).eval()  # type: ignore[arg-type]  # transformers' stubs want a dtype
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -1,0 +1,83 @@
+"""Shared fixtures: a real Valkey, the real four-service stack, the bundled voice for test speech."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline.audio import float_to_pcm16, wav_bytes
+from services.redis_store import EmbeddedRedis
+
+ROOT = Path(__file__).resolve().parent.parent
+STACK_START_TIMEOUT_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    with EmbeddedRedis() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session")
+def synthesizer():
+    from pipeline.tts.piper_backend import PiperSynthesizer, TtsOptions
+
+    return PiperSynthesizer(TtsOptions())
+
+
+@pytest.fixture(scope="session")
+def speech(synthesizer):
+    """speech(text, rate) -> mono float32 with 0.4 s of silence either side."""
+
+    def make(text: str, sample_rate_hz: int = 16_000) -> np.ndarray:
+        pad = np.zeros(int(0.4 * sample_rate_hz), np.float32)
+        return np.concatenate([pad, synthesizer.synthesize(text, sample_rate_hz), pad])
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def stack(redis_url, tmp_path_factory) -> Iterator[dict[str, str]]:
+    """`specvox up` as a user runs it, on free ports, sharing the test's Valkey."""
+    ports = {name: free_port() for name in ("gateway", "asr", "llm", "tts")}
+    env = dict(os.environ, SPECVOX_REDIS_URL=redis_url, SPECVOX_LOG_LEVEL="WARNING")
+    env.update({f"SPECVOX_{name.upper()}_PORT": str(port) for name, port in ports.items()})
+    log = tmp_path_factory.mktemp("stack") / "up.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "services.cli", "up"], cwd=ROOT, env=env,
+                                   stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + STACK_START_TIMEOUT_S
+    while b"all services ready" not in log.read_bytes():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"specvox up did not become ready:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    yield {name: f"127.0.0.1:{port}" for name, port in ports.items()} | {"redis": redis_url}
+    process.send_signal(2)  # Ctrl-C
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail("specvox up did not stop within 30 s of Ctrl-C")
+    assert process.returncode == 0, log.read_text()[-3000:]
+
+
+def write_wav(path: Path, samples: np.ndarray, sample_rate_hz: int, channels: int = 1) -> Path:
+    if channels == 2:
+        samples = np.repeat(samples, 2)
+    path.write_bytes(wav_bytes(float_to_pcm16(samples), sample_rate_hz, channels))
+    return path

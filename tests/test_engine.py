@@ -1,0 +1,82 @@
+"""Plain greedy decoding as verified steps, on the bundled SmolLM2 target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline.llm.engine import GenerationRequest, Generator
+from pipeline.llm.model import LlmOptions, load_model
+from pipeline.llm.prompts import PromptTooLongError, Task, chat_messages, encode_chat
+
+# The project's shared prompt sets sit beside the checkout; a lone clone falls back to two prompts.
+PROMPTS_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts.json"
+PROMPTS = json.loads(PROMPTS_FILE.read_text()) if PROMPTS_FILE.exists() else None
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(LlmOptions(dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def generator(loaded):
+    return Generator(loaded)
+
+
+def prompt_ids(loaded, text: str) -> tuple[int, ...]:
+    return tuple(encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, text)))
+
+
+def sample_prompts() -> list[str]:
+    if PROMPTS:
+        return [PROMPTS["dialogue"][0], PROMPTS["dialogue"][5], PROMPTS["caption"][0]]
+    return ["Hello there! How is your day going so far?", "Why do cats purr?"]
+
+
+@pytest.mark.parametrize("text", sample_prompts())
+def test_steps_equal_hugging_face_greedy_generate(loaded, generator, text):
+    ids = prompt_ids(loaded, text)
+    steps = list(generator.steps(GenerationRequest(ids, max_new_tokens=32)))
+    ours = [t for s in steps for t in s.token_ids]
+    with torch.inference_mode():
+        out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                    eos_token_id=sorted(loaded.eos_token_ids), pad_token_id=0)
+    theirs = [t for t in out[0, len(ids):].tolist() if t not in loaded.eos_token_ids]
+    assert ours == theirs
+    assert "".join(s.text_delta for s in steps) == loaded.tokenizer.decode(ours, skip_special_tokens=True)
+    assert [s.seq for s in steps] == list(range(len(steps)))
+
+
+def test_eos_ends_the_reply_with_an_empty_end_step(loaded, generator):
+    steps = list(generator.steps(GenerationRequest(prompt_ids(loaded, "What is the capital of France?"), 64)))
+    assert steps[-1].finish_reason == "eos" and steps[-1].token_ids == ()
+    assert all(s.finish_reason is None for s in steps[:-1])
+    assert len(steps) < 64
+
+
+def test_max_new_tokens_ends_the_reply_with_length(loaded, generator):
+    steps = list(generator.steps(GenerationRequest(prompt_ids(loaded, "Tell me a long story about a dragon."), 5)))
+    assert [s.accepted for s in steps] == [1] * 5
+    assert steps[-1].finish_reason == "length"
+
+
+def test_cancellation_stops_within_one_step(loaded, generator):
+    produced = []
+    request = GenerationRequest(prompt_ids(loaded, "Tell me a long story about a dragon."), 50)
+    for step in generator.steps(request, should_stop=lambda: len(produced) >= 3):
+        produced.append(step)
+    assert len(produced) == 4 and produced[-1].finish_reason == "cancelled"
+
+
+def test_bad_requests_raise_clear_errors(loaded, generator):
+    with pytest.raises(ValueError, match="empty"):
+        list(generator.steps(GenerationRequest((), 8)))
+    with pytest.raises(ValueError, match="unknown drafter"):
+        list(generator.steps(GenerationRequest((1, 2), 8, drafter="telepathy")))
+    too_long = tuple([1] * loaded.context_tokens)
+    with pytest.raises(PromptTooLongError, match="context window"):
+        list(generator.steps(GenerationRequest(too_long, 8)))

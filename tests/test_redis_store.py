@@ -1,0 +1,86 @@
+"""The Redis side of a turn, on a real embedded Valkey."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pipeline.llm.prompts import Exchange
+from services.redis_store import (
+    SessionStore,
+    TokenEntry,
+    TokenStreamTimeout,
+    TokenStreamWriter,
+    TurnStore,
+    UnknownSessionError,
+    UnknownTurnError,
+    connect,
+    read_token_stream,
+    token_stream_key,
+)
+
+
+@pytest.fixture
+async def client(redis_url):
+    c = connect(redis_url)
+    yield c
+    await c.aclose()
+
+
+async def test_reader_sees_entries_as_the_writer_appends_them(client):
+    turn = await TurnStore(client).create("s1")
+    writer = TokenStreamWriter(client, turn, ttl_s=60)
+    seen: list[TokenEntry] = []
+
+    async def read():
+        async for entry in read_token_stream(client, turn, timeout_s=5):
+            seen.append(entry)
+
+    reader = asyncio.create_task(read())
+    for seq, word in enumerate(["Hello", " there", ","]):
+        await writer.append(TokenEntry(seq, (10 + seq, 20 + seq), word, 2, 1000 + seq))
+        await asyncio.sleep(0.05)
+    await writer.append(TokenEntry(3, (), "", 0, 2000, end=True, finish_reason="eos"))
+    await asyncio.wait_for(reader, 5)
+    assert [e.text for e in seen] == ["Hello", " there", ",", ""]
+    assert seen[1].token_ids == (11, 21) and seen[1].accepted == 2
+    assert seen[-1].end and seen[-1].finish_reason == "eos"
+    assert 0 < await client.ttl(token_stream_key(turn)) <= 60  # the stream expires
+
+
+async def test_a_late_reader_replays_the_whole_stream(client):
+    writer = TokenStreamWriter(client, "late-turn")
+    await writer.append(TokenEntry(0, (5,), "Hi", 1, 1))
+    await writer.append(TokenEntry(1, (), "", 0, 2, end=True, finish_reason="length"))
+    entries = [e async for e in read_token_stream(client, "late-turn", timeout_s=1)]
+    assert [e.seq for e in entries] == [0, 1]
+
+
+async def test_a_stalled_stream_times_out(client):
+    await TokenStreamWriter(client, "stalled").append(TokenEntry(0, (5,), "Hi", 1, 1))
+    with pytest.raises(TokenStreamTimeout, match="no token entry"):
+        async for _ in read_token_stream(client, "stalled", timeout_s=0.3):
+            pass
+
+
+async def test_sessions_keep_a_bounded_history_and_reject_unknown_ids(client):
+    sessions = SessionStore(client)
+    session = await sessions.create("be brief")
+    assert (await sessions.require(session))["system_prompt"] == "be brief"
+    for i in range(25):
+        await sessions.append(session, Exchange(f"q{i}", f"a{i}"), keep=20)
+    history = await sessions.history(session)
+    assert len(history) == 20 and history[-1] == Exchange("q24", "a24")
+    with pytest.raises(UnknownSessionError):
+        await sessions.require("no-such-session")
+
+
+async def test_turns_belong_to_their_session(client):
+    turns = TurnStore(client)
+    turn = await turns.create("session-a")
+    await turns.require(turn, "session-a")
+    with pytest.raises(UnknownTurnError, match="does not belong"):
+        await turns.require(turn, "session-b")
+    with pytest.raises(UnknownTurnError, match="unknown turn"):
+        await turns.require("nope", "session-a")

@@ -1,0 +1,229 @@
+"""The four services for real: `specvox up` on loopback, real models, real Valkey.
+
+One spoken turn end to end, health and reflection on each server, and bad input to
+each server answered with a clear status, after which it serves the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import wave
+
+import grpc
+import jiwer
+import numpy as np
+import pytest
+import webvtt
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from pipeline.audio import float_to_pcm16
+from services.client import ClientOptions, converse, write_outputs
+from services.protos import load
+from services.redis_store import TurnStore, connect
+from tests.conftest import write_wav
+
+gw, gw_grpc = load("gateway")
+asr, asr_grpc = load("asr")
+llm, llm_grpc = load("llm")
+tts, tts_grpc = load("tts")
+FIFTY_MB = b"\x00" * (50 * 1024 * 1024)
+QUESTION = "What is the capital of France?"
+SERVICE_NAMES = {
+    "gateway": "specvox.gateway.v1.Gateway",
+    "asr": "specvox.asr.v1.Asr",
+    "llm": "specvox.llm.v1.Llm",
+    "tts": "specvox.tts.v1.Tts",
+}
+
+pytestmark = pytest.mark.e2e
+
+
+def normalise(text: str) -> str:
+    return " ".join("".join(c for c in text.lower() if c.isalnum() or c.isspace()).split())
+
+
+@pytest.fixture(scope="module")
+async def channels(stack):
+    opened = {name: grpc.aio.insecure_channel(address) for name, address in stack.items() if name != "redis"}
+    yield opened
+    for channel in opened.values():
+        await channel.close()
+
+
+@pytest.fixture(scope="module")
+async def session_id(channels):
+    return (await gw_grpc.GatewayStub(channels["gateway"]).CreateSession(gw.CreateSessionRequest())).session_id
+
+
+async def test_a_spoken_turn_round_trips(stack, speech, tmp_path):
+    rate = 22_050  # the client's audio is stereo at the voice's rate: the gateway path resamples it
+    wav = write_wav(tmp_path / "question.wav", speech(QUESTION, rate), rate, channels=2)
+    turns = await converse(stack["gateway"], str(wav), ClientOptions(chunk_ms=100, realtime=True))
+    report = write_outputs(turns, str(tmp_path / "out"))
+
+    assert jiwer.wer(normalise(QUESTION), normalise(report["transcript"])) < 0.10, report["transcript"]
+    assert report["reply_text"].strip(), "the avatar said nothing"
+    assert report["finish_reason"] in ("eos", "length")
+
+    with wave.open(str(tmp_path / "out" / "reply.wav")) as w:
+        assert (w.getsampwidth(), w.getnchannels()) == (2, 1)
+        audio_s = w.getnframes() / w.getframerate()
+    words = len(report["reply_text"].split())
+    assert 0.15 * words <= audio_s <= 1.5 * words + 1.0, (audio_s, report["reply_text"])
+
+    cues = list(webvtt.read(str(tmp_path / "out" / "captions.vtt")))
+    assert cues, "no caption cues"
+    starts = [c.start_in_seconds for c in cues]
+    assert starts == sorted(starts) and len(set(starts)) == len(starts)
+    assert all(c.start_in_seconds < c.end_in_seconds <= audio_s + 0.01 for c in cues)
+    assert normalise(" ".join(c.text for c in cues)) == normalise(report["reply_text"])
+
+    assert report["voice_to_voice_ms"] > 0
+    assert set(report["stages"]) == {"asr", "llm", "tts", "gateway"}
+    llm_times, tts_times = report["stages"]["llm"], report["stages"]["tts"]
+    assert llm_times["first_in_unix_ms"] <= llm_times["first_out_unix_ms"] <= llm_times["last_out_unix_ms"]
+    assert tts_times["first_in_unix_ms"] >= llm_times["first_out_unix_ms"]  # tts reads what llm wrote
+
+
+@pytest.mark.parametrize("service", SERVICE_NAMES)
+async def test_each_service_is_healthy_and_reflects_its_api(channels, service):
+    health = health_pb2_grpc.HealthStub(channels[service])
+    for name in ("", SERVICE_NAMES[service]):
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    reflection = reflection_pb2_grpc.ServerReflectionStub(channels[service])
+    call = reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+    listed = [s.name async for reply in call for s in reply.list_services_response.service]
+    assert SERVICE_NAMES[service] in listed and "grpc.health.v1.Health" in listed
+
+
+async def expect_status(code: grpc.StatusCode, fragment: str, call) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        if hasattr(call, "__aiter__"):
+            async for _ in call:
+                pass
+        else:
+            await call
+    assert caught.value.code() == code, caught.value.details()
+    assert fragment.lower() in (caught.value.details() or "").lower(), caught.value.details()
+
+
+async def expect_stream_status(code: grpc.StatusCode, fragment: str, call, messages: list) -> None:
+    """Send the first message, wait for the server's READY (or its error), then the rest."""
+    try:
+        await call.write(messages[0])
+        if len(messages) > 1:
+            await call.read()
+            for message in messages[1:]:
+                await call.write(message)
+        await call.done_writing()
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        pass  # the status below is what the server said
+    details = await call.details()
+    assert await call.code() == code, details
+    assert fragment.lower() in (details or "").lower(), details
+
+
+def pcm_config(session: str, width: int = 2, encoding=asr.AudioFormat.PCM_S16LE, rate: int = 16_000):
+    return asr.TranscribeRequest(config=asr.StreamConfig(session_id=session, format=asr.AudioFormat(
+        encoding=encoding, sample_rate_hz=rate, channels=1, sample_width_bytes=width)))
+
+
+async def test_asr_rejects_bad_input_then_transcribes(channels, session_id, speech):
+    stub = asr_grpc.AsrStub(channels["asr"])
+    audio = asr.TranscribeRequest(audio=float_to_pcm16(speech("Good morning to you.")))
+    bad = [
+        (grpc.StatusCode.INVALID_ARGUMENT, "no audio", [pcm_config(session_id)]),
+        (grpc.StatusCode.INVALID_ARGUMENT, "sample width 3", [pcm_config(session_id, width=3), audio]),
+        (grpc.StatusCode.INVALID_ARGUMENT, "not a WAV", [pcm_config(session_id, encoding=asr.AudioFormat.WAV),
+                                                        asr.TranscribeRequest(audio=b"%PDF-1.7 not audio")]),
+        (grpc.StatusCode.INVALID_ARGUMENT, "stray byte", [pcm_config(session_id),
+                                                         asr.TranscribeRequest(audio=b"\x01\x02\x03")]),
+        (grpc.StatusCode.INVALID_ARGUMENT, "sample rate 7 Hz", [pcm_config(session_id, rate=7), audio]),
+        (grpc.StatusCode.NOT_FOUND, "unknown session", [pcm_config("no-such-session"), audio]),
+        (grpc.StatusCode.INVALID_ARGUMENT, "first message", [audio]),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max",
+         [pcm_config(session_id), asr.TranscribeRequest(audio=FIFTY_MB)]),
+    ]
+    for code, fragment, requests in bad:
+        await expect_stream_status(code, fragment, stub.Transcribe(), requests)
+    events = [e async for e in stub.Transcribe(iter([pcm_config(session_id), audio]))]
+    assert events[0].kind == asr.TranscriptEvent.READY
+    finals = [e for e in events if e.kind == asr.TranscriptEvent.FINAL]
+    assert len(finals) == 1 and normalise(finals[0].text) == "good morning to you"
+
+
+async def test_llm_rejects_bad_input_then_replies(channels, stack, session_id):
+    stub = llm_grpc.LlmStub(channels["llm"])
+    redis = connect(stack["redis"])
+    try:
+        turn = await TurnStore(redis).create(session_id)
+        other_turn = await TurnStore(redis).create(session_id)
+    finally:
+        await redis.aclose()
+
+    def ask(**fields):
+        return stub.Reply(llm.ReplyRequest(**({"session_id": session_id, "turn_id": turn,
+                                               "user_text": "Hi!", "max_new_tokens": 4} | fields)))
+
+    await expect_status(grpc.StatusCode.NOT_FOUND, "unknown session", ask(session_id="nope"))
+    await expect_status(grpc.StatusCode.NOT_FOUND, "unknown turn", ask(turn_id="nope"))
+    await expect_status(grpc.StatusCode.INVALID_ARGUMENT, "user_text is empty", ask(user_text="  "))
+    await expect_status(grpc.StatusCode.INVALID_ARGUMENT, "unknown drafter", ask(drafter="telepathy"))
+    await expect_status(grpc.StatusCode.INVALID_ARGUMENT, "tokens", ask(user_text="word " * 9000))
+    await expect_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max",
+                        ask(user_text=FIFTY_MB.decode()))
+    steps = [s async for s in ask(turn_id=other_turn)]
+    assert steps[-1].end and steps[-1].finish_reason in ("eos", "length")
+    assert 1 <= sum(s.accepted for s in steps) <= 4
+
+
+async def test_tts_rejects_bad_input_then_speaks(channels, session_id):
+    stub = tts_grpc.TtsStub(channels["tts"])
+    await expect_status(grpc.StatusCode.INVALID_ARGUMENT, "text is empty", stub.Synthesize(tts.SynthesizeRequest()))
+    await expect_status(grpc.StatusCode.INVALID_ARGUMENT, "sample_rate_hz",
+                        stub.Synthesize(tts.SynthesizeRequest(text="Hi.", sample_rate_hz=7)))
+    await expect_status(grpc.StatusCode.NOT_FOUND, "unknown session",
+                        stub.SpeakTurn(tts.SpeakTurnRequest(session_id="nope", turn_id="t")))
+    await expect_status(grpc.StatusCode.NOT_FOUND, "unknown turn",
+                        stub.SpeakTurn(tts.SpeakTurnRequest(session_id=session_id, turn_id="nope")))
+    await expect_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max",
+                        stub.Synthesize(tts.SynthesizeRequest(text=FIFTY_MB.decode())))
+    events = [e async for e in stub.Synthesize(tts.SynthesizeRequest(text="Hello there. Nice to meet you.",
+                                                                     sample_rate_hz=16_000))]
+    audio = [e.audio for e in events if e.WhichOneof("event") == "audio"]
+    cues = [e.cue for e in events if e.WhichOneof("event") == "cue"]
+    assert [c.text for c in cues] == ["Hello there.", "Nice to meet you."]
+    samples = np.frombuffer(b"".join(a.pcm_s16le for a in audio), "<i2")
+    assert all(a.sample_rate_hz == 16_000 for a in audio) and 0.8 < samples.size / 16_000 < 5
+    assert cues[-1].end_s == pytest.approx(samples.size / 16_000, abs=0.01)
+
+
+async def test_gateway_rejects_bad_input_then_serves(channels, session_id):
+    stub = gw_grpc.GatewayStub(channels["gateway"])
+
+    def start(session: str = session_id, width: int = 2, encoding=gw.AudioFormat.PCM_S16LE):
+        return gw.ClientMessage(start=gw.StreamStart(session_id=session, format=gw.AudioFormat(
+            encoding=encoding, sample_rate_hz=16_000, channels=1, sample_width_bytes=width)))
+
+    silence = gw.ClientMessage(audio=b"\x00" * 3200)
+    bad = [
+        (grpc.StatusCode.NOT_FOUND, "unknown session", [start("nope"), silence]),
+        (grpc.StatusCode.INVALID_ARGUMENT, "sample width", [start(width=1), silence]),
+        (grpc.StatusCode.INVALID_ARGUMENT, "no audio", [start()]),
+        (grpc.StatusCode.INVALID_ARGUMENT, "not a WAV",
+         [start(encoding=gw.AudioFormat.WAV), gw.ClientMessage(audio=b"GIF89a not audio")]),
+        (grpc.StatusCode.INVALID_ARGUMENT, "first message", [silence]),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max", [start(), gw.ClientMessage(audio=FIFTY_MB)]),
+    ]
+    for code, fragment, messages in bad:
+        await expect_stream_status(code, fragment, stub.Converse(), messages)
+    await expect_status(grpc.StatusCode.INVALID_ARGUMENT, "system_prompt",
+                        stub.CreateSession(gw.CreateSessionRequest(system_prompt="x" * 9000)))
+    # Silence is valid audio with nothing to answer: the stream ends cleanly with no turn.
+    events = [e async for e in stub.Converse(iter([start(), silence, silence]))]
+    assert [e.WhichOneof("event") for e in events] == ["ready"]
+    assert (await stub.CreateSession(gw.CreateSessionRequest())).session_id
