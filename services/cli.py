@@ -1,4 +1,4 @@
-"""The `specvox` command line: up, serve, client, say."""
+"""The `specvox` command line: up, serve, client, say, demo."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 SERVICES = ("asr", "llm", "tts", "gateway")
 START_ORDER = ("tts", "asr", "llm", "gateway")  # the gateway last: it calls the others
@@ -30,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     say.add_argument("--out", required=True)
     say.add_argument("--sample-rate", type=int, default=16_000)
     say.add_argument("--pad-s", type=float, default=0.5, help="silence before and after the speech")
+    demo = sub.add_parser("demo", help="one spoken turn through `specvox up` and the client")
+    demo.add_argument("--wav", help="your own question (default: one made with the bundled voice)")
+    demo.add_argument("--out", default="out/demo")
     args = parser.parse_args(argv)
 
     from services.runtime import configure_logging
@@ -43,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve_one(settings, args.service)
     if args.command == "client":
         return run_client(settings, args)
+    if args.command == "demo":
+        from services.demo import run_demo
+
+        return run_demo(settings, args.wav, args.out)
     return say_to_file(settings, args.text, args.out, args.sample_rate, args.pad_s)
 
 
@@ -138,18 +146,11 @@ def _stop_children(children: dict[str, subprocess.Popen]) -> None:
 
 def run_client(settings, args) -> int:
     from services.client import ClientOptions, converse, write_outputs
+    from services.demo import print_summary
 
     options = ClientOptions(realtime=not args.no_realtime, max_message_bytes=settings.max_message_bytes)
     turns = asyncio.run(converse(args.address or settings.address("gateway"), args.wav, options))
-    report = write_outputs(turns, args.out)
-    print(f"you said:      {report['transcript']}")
-    print(f"avatar said:   {report['reply_text']}")
-    print(f"voice to voice: {report['voice_to_voice_ms']} ms (budget {report['budget_ms']} ms)")
-    for stage, times in report["stages"].items():
-        rel = times["ms_after_speech_end"]
-        print(f"  {stage:<8} first in {rel['first_in']:>6} ms, first out {rel['first_out']:>6} ms, "
-              f"last out {rel['last_out']:>6} ms  (after end of speech)")
-    print(f"wrote {args.out}/reply.wav, captions.vtt, report.json")
+    print_summary(write_outputs(turns, args.out), Path(args.out))
     return 0
 
 
