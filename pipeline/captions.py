@@ -23,8 +23,13 @@ def vtt_timestamp(seconds: float) -> str:
     return f"{h:02d}:{m:02d}:{s:02d}.{ms:03d}"
 
 
+def caption_text(text: str) -> str:
+    """WebVTT cue text may hold neither blank lines nor the timing arrow."""
+    return " ".join(text.split()).replace("-->", "->")
+
+
 def to_webvtt_caption(cue: Cue) -> webvtt.Caption:
-    return webvtt.Caption(vtt_timestamp(cue.start_s), vtt_timestamp(cue.end_s), cue.text)
+    return webvtt.Caption(vtt_timestamp(cue.start_s), vtt_timestamp(cue.end_s), caption_text(cue.text))
 
 
 def webvtt_document(cues: Iterable[Cue]) -> str:
@@ -34,4 +39,4 @@ def webvtt_document(cues: Iterable[Cue]) -> str:
 
 def webvtt_block(cue: Cue) -> str:
     caption = to_webvtt_caption(cue)
-    return f"{caption.start} --> {caption.end}\n{cue.text}\n"
+    return f"{caption.start} --> {caption.end}\n{caption.text}\n"

@@ -32,6 +32,17 @@ def test_a_long_first_clause_is_capped_at_a_word_boundary():
     assert phrases and len(phrases[0]) <= 30 and not phrases[0].endswith(("tw", "thre"))
 
 
+def test_line_breaks_end_phrases_and_never_reach_a_phrase():
+    phrases = feed_words(PhraseCutter(), "Sure, here are some:\n\n1. Dune\n2. Emma. That is all")
+    assert phrases == ["Sure, here are some:", "1. Dune", "2. Emma.", "That is all"]
+    assert all("\n" not in p for p in phrases)
+
+
+def test_cue_text_is_made_valid_webvtt():
+    doc = webvtt_document([Cue(0.0, 1.0, "one\n\ntwo --> three")])
+    assert "one two -> three" in doc
+
+
 def test_punctuation_only_text_is_not_spoken():
     assert feed_words(PhraseCutter(), "... !!! ,,,") == []
 

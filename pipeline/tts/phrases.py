@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-SENTENCE_END = re.compile(r"[.!?…]+[\"')\]]*\s")
-CLAUSE_END = re.compile(r"[,;:—–]\s|[.!?…]+[\"')\]]*\s")
+SENTENCE_END = re.compile(r"[.!?…]+[\"')\]]*\s|\n")
+CLAUSE_END = re.compile(r"[,;:—–]\s|[.!?…]+[\"')\]]*\s|\n")
 # A period after these is not a sentence end.
 ABBREVIATIONS = frozenset({"mr", "mrs", "ms", "dr", "prof", "st", "vs", "etc", "e.g", "i.e", "no", "jr", "sr"})
 
@@ -35,14 +35,14 @@ class PhraseCutter:
         self._text += delta
         phrases = []
         while (cut := self._next_cut()) is not None:
-            phrase, self._text = self._text[:cut].strip(), self._text[cut:]
+            phrase, self._text = _tidy(self._text[:cut]), self._text[cut:]
             if _speakable(phrase):
                 phrases.append(phrase)
                 self._phrases_out += 1
         return phrases
 
     def flush(self) -> list[str]:
-        phrase, self._text = self._text.strip(), ""
+        phrase, self._text = _tidy(self._text), ""
         return [phrase] if _speakable(phrase) else []
 
     def _next_cut(self) -> int | None:
@@ -60,10 +60,19 @@ class PhraseCutter:
 
 
 def _after_abbreviation(text: str, dot: int) -> bool:
+    """A period after an abbreviation, an initial or a list number ("2." at a line's start)."""
     if text[dot] != ".":
         return False
-    word = text[:dot].rsplit(None, 1)[-1].lower() if text[:dot].strip() else ""
-    return word in ABBREVIATIONS or (len(word) == 1 and word.isalpha())
+    before = text[:dot]
+    word = before.rsplit(None, 1)[-1].lower() if before.strip() else ""
+    prefix = before[: len(before) - len(word)].rstrip(" \t")
+    line_start = prefix == "" or prefix.endswith("\n")
+    return word in ABBREVIATIONS or (len(word) == 1 and word.isalpha()) or (word.isdigit() and line_start)
+
+
+def _tidy(text: str) -> str:
+    """One line, single spaces: a phrase is spoken and captioned as a line of text."""
+    return " ".join(text.split())
 
 
 def _speakable(phrase: str) -> bool:
