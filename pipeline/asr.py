@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pipeline.models import resolve_asr
+from pipeline.models import not_found_offline, resolve_asr
 
 SAMPLE_RATE_HZ = 16_000  # what Whisper and Silero VAD expect
 
@@ -31,6 +31,7 @@ class AsrOptions:
     vad_check_every_ms: int = 100
     transcribe_pad_ms: int = 300  # audio kept either side of the detected speech
     max_utterance_s: float = 25.0  # forced close: Whisper sees at most 30 s
+    offline: bool = True  # a model named by hub id must already be in the local cache
 
 
 @dataclass(frozen=True)
@@ -141,12 +142,18 @@ class Transcriber:
         from faster_whisper import WhisperModel
 
         self.options = options
-        self.model = WhisperModel(
-            resolve_asr(options.model),
-            device=options.device,
-            compute_type=options.compute_type,
-            cpu_threads=options.cpu_threads,
-        )
+        try:
+            self.model = WhisperModel(
+                resolve_asr(options.model),
+                device=options.device,
+                compute_type=options.compute_type,
+                cpu_threads=options.cpu_threads,
+                local_files_only=options.offline,
+            )
+        except (OSError, ValueError) as e:
+            if options.offline:
+                raise not_found_offline("asr", options.model, e) from e
+            raise
 
     def warm_up(self) -> None:
         """One pass on a second of faint noise, so the first user turn does not pay for it."""

@@ -25,6 +25,14 @@ class ModelRef:
     gguf_file: str | None = None
 
 
+def not_found_offline(stage: str, name: str, error: Exception) -> ModelNotFoundError:
+    """The error for a model that is neither bundled, nor a local path, nor in the local hub cache."""
+    return ModelNotFoundError(
+        f"{stage} model {name!r} is not a local path and is not in the local Hugging Face cache "
+        f"(downloads are off by default; set SPECVOX_{stage.upper()}__OFFLINE=false to allow one): {error}"
+    )
+
+
 def package_dir(package: str, pip_name: str, extra: str = "") -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:

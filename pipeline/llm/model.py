@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.models import resolve_llm
+from pipeline.models import ModelRef, not_found_offline, resolve_llm
 
 DTYPES = {
     "float32": torch.float32,
@@ -46,16 +46,16 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def load_model(options: LlmOptions) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if options.torch_threads:
         torch.set_num_threads(options.torch_threads)
     ref = resolve_llm(options.model)
-    common = {"gguf_file": ref.gguf_file, "local_files_only": options.offline}
-    tokenizer = AutoTokenizer.from_pretrained(ref.name_or_path, **common)
-    model = AutoModelForCausalLM.from_pretrained(
-        ref.name_or_path, dtype=torch_dtype(options.dtype), **common
-    )
+    dtype = torch_dtype(options.dtype)
+    try:
+        tokenizer, model = _from_pretrained(ref, dtype, options.offline)
+    except OSError as e:
+        if options.offline:
+            raise not_found_offline("llm", options.model, e) from e
+        raise
     device = torch.device(options.device)
     model = model.to(device).eval()  # type: ignore[arg-type]  # transformers' stubs want a dtype
     return LoadedModel(
@@ -65,6 +65,15 @@ def load_model(options: LlmOptions) -> LoadedModel:
         context_tokens=int(getattr(model.config, "max_position_embeddings", 2048)),
         eos_token_ids=_eos_ids(model, tokenizer),
     )
+
+
+def _from_pretrained(ref: ModelRef, dtype: torch.dtype, offline: bool) -> tuple[object, torch.nn.Module]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    common = {"gguf_file": ref.gguf_file, "local_files_only": offline}
+    tokenizer = AutoTokenizer.from_pretrained(ref.name_or_path, **common)
+    model = AutoModelForCausalLM.from_pretrained(ref.name_or_path, dtype=dtype, **common)
+    return tokenizer, model
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: object) -> frozenset[int]:
