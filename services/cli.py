@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="one spoken turn through `specvox up` and the client")
     demo.add_argument("--wav", help="your own question (default: one made with the bundled voice)")
     demo.add_argument("--out", default="out/demo")
+    bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
+    bench.add_argument("what", choices=["turn"])
+    bench.add_argument("--turns", type=int, default=8, help="spoken turns (dialogue prompts)")
+    bench.add_argument("--json", dest="json_path", help="write the rows here")
     args = parser.parse_args(argv)
 
     from services.runtime import configure_logging
@@ -47,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve_one(settings, args.service)
     if args.command == "client":
         return run_client(settings, args)
+    if args.command == "bench":
+        from bench import turn
+
+        return turn.run(settings, args.turns, args.json_path)
     if args.command == "demo":
         from services.demo import run_demo
 

@@ -19,7 +19,7 @@ ABBREVIATIONS = frozenset({"mr", "mrs", "ms", "dr", "prof", "st", "vs", "etc", "
 @dataclass(frozen=True)
 class PhraseOptions:
     first_phrase_min_chars: int = 12  # shorter clauses are joined to the next one
-    first_phrase_max_chars: int = 60  # cut at a word boundary past this
+    first_phrase_max_chars: int = 36  # cut at a word boundary past this (about 8 tokens)
     max_phrase_chars: int = 220
 
 

@@ -1,0 +1,80 @@
+"""`specvox bench turn`: voice-to-voice latency of whole spoken turns through `specvox up`.
+
+Each question of the dialogue prompt set is spoken by the bundled voice and streamed in
+real time to a fresh session; the table gives, per turn, the end of speech → first
+reply audio time and when each stage first emitted, relative to the end of speech.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+from services.client import ClientOptions, converse
+from services.demo import _start_stack, _wait_ready
+
+FALLBACK_QUESTIONS = ["Hello there! How is your day going so far?", "Why do cats purr?"]
+PROMPTS_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts.json"
+
+
+def questions(limit: int) -> list[str]:
+    if PROMPTS_FILE.exists():
+        return json.loads(PROMPTS_FILE.read_text())["dialogue"][:limit]
+    return FALLBACK_QUESTIONS[:limit]
+
+
+def run(settings, turns: int, json_path: str | None) -> int:
+    from services.cli import say_to_file
+
+    work = Path(tempfile.mkdtemp(prefix="specvox-bench-"))
+    wavs = []
+    for i, text in enumerate(questions(turns)):
+        wavs.append((text, str(work / f"q{i}.wav")))
+        say_to_file(settings, text, wavs[-1][1], sample_rate_hz=16_000, pad_s=0.5)
+    up = _start_stack(work / "up.log")
+    rows = []
+    try:
+        _wait_ready(up, work / "up.log")
+        for text, wav in wavs:
+            results = asyncio.run(converse(settings.address("gateway"), wav, ClientOptions()))
+            rows += [_row(text, r.report) for r in results if r.report]
+            print(f"  {len(rows)}/{len(wavs)} turns", flush=True)
+    finally:
+        up.send_signal(2)
+        up.wait(30)
+    print_table(rows)
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=2) + "\n")
+        print(f"wrote {json_path}")
+    return 0
+
+
+def _row(question: str, report: dict) -> dict:
+    rel = {stage: t["ms_after_speech_end"] for stage, t in report["stages"].items()}
+    return {
+        "question": question,
+        "transcript": report["transcript"],
+        "voice_to_voice_ms": report["voice_to_voice_ms"],
+        "asr_final_ms": rel["asr"]["last_out"],
+        "llm_first_token_ms": rel["llm"]["first_out"],
+        "tts_first_audio_ms": rel["tts"]["first_out"],
+        "reply_audio_s": report["reply_audio_s"],
+        "finish_reason": report["finish_reason"],
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = ["voice_to_voice_ms", "asr_final_ms", "llm_first_token_ms", "tts_first_audio_ms", "reply_audio_s"]
+    print(f"\n{'question':<48} " + " ".join(f"{c:>19}" for c in cols))
+    for row in rows:
+        print(f"{row['question'][:47]:<48} " + " ".join(f"{row[c]:>19}" for c in cols))
+    for name, fn in (("p50", statistics.median), ("p95", _p95)):
+        print(f"{name:<48} " + " ".join(f"{fn([r[c] for r in rows]):>19.0f}" for c in cols))
+
+
+def _p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
