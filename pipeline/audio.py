@@ -10,6 +10,7 @@ import io
 import struct
 import wave
 from dataclasses import dataclass
+from enum import IntEnum
 
 import numpy as np
 import soxr
@@ -47,6 +48,10 @@ class PcmFormat:
     @property
     def frame_bytes(self) -> int:
         return self.channels * self.sample_width_bytes
+
+    @property
+    def bytes_per_s(self) -> int:
+        return self.sample_rate_hz * self.frame_bytes
 
 
 def pcm_to_mono_float(pcm: bytes, fmt: PcmFormat) -> np.ndarray:
@@ -145,6 +150,48 @@ def _parse_fmt_chunk(body: bytes) -> PcmFormat:
     if tag not in (1, 0xFFFE):  # PCM or WAVE_FORMAT_EXTENSIBLE
         raise AudioFormatError(f"WAV format tag {tag} is not PCM: send 16-bit PCM")
     return PcmFormat(sample_rate_hz=rate, channels=channels, sample_width_bytes=bits // 8).validate()
+
+
+class Encoding(IntEnum):
+    """How a stream's bytes are framed; the numbers are those of the protos' AudioFormat.Encoding."""
+
+    PCM_S16LE = 1  # raw PCM in a declared format
+    WAV = 2  # a RIFF/WAVE stream, its format read from its header
+
+
+class AudioStreamReader:
+    """Strips the framing off a byte stream: raw PCM as declared, or WAV after its header.
+
+    `format` is known from the start for PCM and once the header is complete for WAV.
+    """
+
+    def __init__(self, encoding: int, declared: PcmFormat) -> None:
+        self.format: PcmFormat | None = None
+        self.bytes_received = 0
+        self._header = b""
+        if encoding == Encoding.PCM_S16LE:
+            self.format = declared.validate()
+        elif encoding != Encoding.WAV:
+            raise AudioFormatError("audio encoding is unspecified: choose PCM_S16LE or WAV")
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The PCM bytes in `chunk` (none while a WAV header is still incomplete)."""
+        self.bytes_received += len(chunk)
+        if self.format is not None:
+            return chunk
+        self._header += chunk
+        parsed = parse_wav_header(self._header)
+        if parsed is None:
+            return b""
+        self.format, offset = parsed
+        pcm, self._header = self._header[offset:], b""
+        return pcm
+
+    def finish(self) -> None:
+        if self.bytes_received == 0:
+            raise AudioFormatError("the stream carried no audio")
+        if self.format is None:
+            raise AudioFormatError("the stream ended before a complete WAV header")
 
 
 def read_wav(path: str) -> tuple[bytes, PcmFormat]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import grpc
+import numpy as np
 
 from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber, Utterance, UtteranceSegmenter
-from pipeline.audio import AudioFormatError, PcmFormat, PcmStreamDecoder, parse_wav_header
+from pipeline.audio import AudioStreamReader, PcmFormat, PcmStreamDecoder
 from services.grpc_server import ModelWorker, StageClock, serve, status_on_error
 from services.protos import load
 from services.redis_store import SessionStore, now_ms
@@ -19,40 +20,25 @@ Kind = pb.TranscriptEvent.Kind
 
 
 class WireAudioDecoder:
-    """Decodes the audio bytes of a stream in the declared encoding (raw PCM or WAV)."""
+    """The stream's audio bytes, in their declared framing, as mono float32 at 16 kHz."""
 
     def __init__(self, fmt: pb.AudioFormat) -> None:
+        declared = PcmFormat(fmt.sample_rate_hz, fmt.channels or 1, fmt.sample_width_bytes or 2)
+        self.reader = AudioStreamReader(fmt.encoding, declared)
         self._decoder: PcmStreamDecoder | None = None
-        self._header = b""
-        self.bytes_received = 0
-        if fmt.encoding == pb.AudioFormat.PCM_S16LE:
-            pcm = PcmFormat(fmt.sample_rate_hz, fmt.channels or 1, fmt.sample_width_bytes or 2)
-            self._decoder = PcmStreamDecoder(pcm, SAMPLE_RATE_HZ)
-        elif fmt.encoding != pb.AudioFormat.WAV:
-            raise AudioFormatError("audio encoding is unspecified: choose PCM_S16LE or WAV")
 
-    def feed(self, chunk: bytes):  # -> np.ndarray
-        self.bytes_received += len(chunk)
+    def feed(self, chunk: bytes) -> np.ndarray:
+        pcm = self.reader.feed(chunk)
+        if self.reader.format is None:
+            return np.zeros(0, np.float32)
         if self._decoder is None:
-            self._header += chunk
-            parsed = parse_wav_header(self._header)
-            if parsed is None:
-                return self._empty()
-            fmt, offset = parsed
-            self._decoder = PcmStreamDecoder(fmt, SAMPLE_RATE_HZ)
-            chunk, self._header = self._header[offset:], b""
-        return self._decoder.feed(chunk)
+            self._decoder = PcmStreamDecoder(self.reader.format, SAMPLE_RATE_HZ)
+        return self._decoder.feed(pcm)
 
-    def finish(self):  # -> np.ndarray
-        if self._decoder is None:
-            raise AudioFormatError("the stream ended before a complete WAV header")
+    def finish(self) -> np.ndarray:
+        self.reader.finish()
+        assert self._decoder is not None  # a complete header or PCM always makes one
         return self._decoder.finish()
-
-    @staticmethod
-    def _empty():
-        import numpy as np
-
-        return np.zeros(0, np.float32)
 
 
 class AsrServicer(pb_grpc.AsrServicer):
@@ -80,8 +66,6 @@ class AsrServicer(pb_grpc.AsrServicer):
                     yield self._event(clock, Kind.SPEECH_STARTED, segmenter.stream_s)
                 for utterance in closed:
                     yield await self._final(clock, utterance)
-            if decoder.bytes_received == 0:
-                raise AudioFormatError("the stream carried no audio")
             tail = decoder.finish()
             closed = await self.worker.call(segmenter.feed, tail)
             closed += await self.worker.call(segmenter.finish)

@@ -62,7 +62,7 @@ class TurnResult:
 async def converse(address: str, wav_path: str, options: ClientOptions = ClientOptions()) -> list[TurnResult]:
     pcm, fmt = read_wav(wav_path)
     pcm += b"\0" * (int(options.trailing_silence_s * fmt.sample_rate_hz) * fmt.frame_bytes)
-    chunk_bytes = fmt.sample_rate_hz * fmt.frame_bytes * options.chunk_ms // 1000
+    chunk_bytes = fmt.bytes_per_s * options.chunk_ms // 1000
     async with grpc.aio.insecure_channel(address, options=message_options(options.max_message_bytes)) as channel:
         stub = pb_grpc.GatewayStub(channel)
         session = await stub.CreateSession(pb.CreateSessionRequest())

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pipeline.audio import AudioFormatError, PcmFormat, parse_wav_header
+from pipeline.audio import AudioStreamReader, PcmFormat
 from pipeline.captions import Cue, webvtt_block
 from services.grpc_server import StageClock, message_options, serve, status_on_error
 from services.protos import load
@@ -36,29 +36,17 @@ class AudioArrivalClock:
     """Maps a time in the input audio to when the gateway received it (Unix ms)."""
 
     def __init__(self, fmt: pb.AudioFormat) -> None:
-        self._bytes_per_s = 0.0
-        self._header = b""
+        declared = PcmFormat(fmt.sample_rate_hz, fmt.channels or 1, fmt.sample_width_bytes or 2)
+        self.reader = AudioStreamReader(fmt.encoding, declared)
         self._audio_bytes = 0
         self._ends_s: list[float] = []
         self._arrivals_ms: list[int] = []
-        if fmt.encoding == pb.AudioFormat.PCM_S16LE:
-            pcm = PcmFormat(fmt.sample_rate_hz, fmt.channels or 1, fmt.sample_width_bytes or 2).validate()
-            self._bytes_per_s = pcm.sample_rate_hz * pcm.frame_bytes
-        elif fmt.encoding != pb.AudioFormat.WAV:
-            raise AudioFormatError("audio encoding is unspecified: choose PCM_S16LE or WAV")
 
     def received(self, chunk: bytes) -> None:
-        if not self._bytes_per_s:
-            self._header += chunk
-            parsed = parse_wav_header(self._header)
-            if parsed is None:
-                return
-            fmt, offset = parsed
-            self._bytes_per_s = fmt.sample_rate_hz * fmt.frame_bytes
-            chunk, self._header = self._header[offset:], b""
-        self._audio_bytes += len(chunk)
-        self._ends_s.append(self._audio_bytes / self._bytes_per_s)
-        self._arrivals_ms.append(now_ms())
+        self._audio_bytes += len(self.reader.feed(chunk))
+        if self.reader.format is not None:
+            self._ends_s.append(self._audio_bytes / self.reader.format.bytes_per_s)
+            self._arrivals_ms.append(now_ms())
 
     def arrival_ms(self, audio_s: float) -> int:
         i = bisect.bisect_left(self._ends_s, audio_s - 1e-6)

@@ -5,6 +5,8 @@ import pytest
 
 from pipeline.audio import (
     AudioFormatError,
+    AudioStreamReader,
+    Encoding,
     PcmFormat,
     PcmStreamDecoder,
     float_to_pcm16,
@@ -71,6 +73,26 @@ def test_wav_header_round_trip_and_incremental_parse():
     pcm, fmt = split_wav_bytes(data)
     assert fmt == PcmFormat(22_050, 1, 2)
     assert len(pcm) == int(0.2 * 22_050) * 2
+
+
+def test_stream_reader_strips_a_wav_header_split_across_chunks():
+    pcm = float_to_pcm16(tone(300, 0.1, 16_000))
+    data = wav_bytes(pcm, 16_000)
+    reader = AudioStreamReader(Encoding.WAV, PcmFormat(0))
+    out = b"".join(reader.feed(data[i : i + 7]) for i in range(0, len(data), 7))
+    reader.finish()
+    assert out == pcm and reader.format == PcmFormat(16_000)
+
+
+def test_stream_reader_rejects_empty_and_unframed_streams():
+    with pytest.raises(AudioFormatError, match="no audio"):
+        AudioStreamReader(Encoding.PCM_S16LE, PcmFormat(16_000)).finish()
+    with pytest.raises(AudioFormatError, match="unspecified"):
+        AudioStreamReader(0, PcmFormat(16_000))
+    reader = AudioStreamReader(Encoding.WAV, PcmFormat(0))
+    reader.feed(b"RIFF\x10\x00\x00\x00WAVE")
+    with pytest.raises(AudioFormatError, match="before a complete WAV header"):
+        reader.finish()
 
 
 def test_non_audio_and_wrong_width_wavs_are_rejected():
