@@ -34,9 +34,21 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="one spoken turn through `specvox up` and the client")
     demo.add_argument("--wav", help="your own question (default: one made with the bundled voice)")
     demo.add_argument("--out", default="out/demo")
+    gen = sub.add_parser("generate", help="one reply from the LLM stage, in this process (no server)")
+    gen.add_argument("--prompt", required=True, help="wrapped in the model's chat template as one user message")
+    gen.add_argument("--drafter", help="none, ngram, suffix, early-exit, or draft (with llm.draft_model set)")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--dtype", help="float32, bfloat16, float16 or float64 (default: llm.dtype)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
-    bench.add_argument("what", choices=["turn"])
-    bench.add_argument("--turns", type=int, default=8, help="spoken turns (dialogue prompts)")
+    bench.add_argument("what", choices=["turn", "spec"])
+    bench.add_argument("--turns", type=int, default=8, help="turn: spoken turns (dialogue prompts)")
+    bench.add_argument("--limit", type=int, default=16, help="spec: prompts per set")
+    bench.add_argument("--max-new-tokens", type=int, default=128, help="spec: tokens per prompt")
     bench.add_argument("--json", dest="json_path", help="write the rows here")
     args = parser.parse_args(argv)
 
@@ -51,7 +63,13 @@ def main(argv: list[str] | None = None) -> int:
         return serve_one(settings, args.service)
     if args.command == "client":
         return run_client(settings, args)
+    if args.command == "generate":
+        return generate(settings, args)
     if args.command == "bench":
+        if args.what == "spec":
+            from bench import spec
+
+            return spec.run(settings, args.limit, args.max_new_tokens, args.json_path)
         from bench import turn
 
         return turn.run(settings, args.turns, args.json_path)
@@ -159,6 +177,37 @@ def run_client(settings, args) -> int:
     options = ClientOptions(realtime=not args.no_realtime, max_message_bytes=settings.max_message_bytes)
     turns = asyncio.run(converse(args.address or settings.address("gateway"), args.wav, options))
     print_summary(write_outputs(turns, args.out), Path(args.out))
+    return 0
+
+
+def generate(settings, args) -> int:
+    import dataclasses
+    import json
+
+    from pipeline.llm.engine import GenerationRequest, Generator
+    from pipeline.llm.model import load_draft_model, load_model
+    from pipeline.llm.prompts import Task, chat_messages, encode_chat
+    from pipeline.llm.sampling import SamplingOptions
+
+    options = dataclasses.replace(settings.llm, dtype=args.dtype or settings.llm.dtype)
+    loaded = load_model(options)
+    generator = Generator(loaded, load_draft_model(options, loaded), options.early_exit_layers)
+    prompt = encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, args.prompt))
+    sampling = SamplingOptions(args.temperature, args.top_k, args.top_p, seed=args.seed).validate()
+    request = GenerationRequest(tuple(prompt), args.max_new_tokens, args.drafter or options.drafter, sampling,
+                                max_draft_tokens=options.max_draft_tokens, adaptive_draft=options.adaptive_draft)
+    token_ids, text = [], ""
+    for step in generator.steps(request):
+        token_ids += step.token_ids
+        text += step.text_delta
+        if not args.json:
+            print(step.text_delta, end="", flush=True)
+    stats = generator.last_stats.as_dict()
+    if args.json:
+        print(json.dumps({"token_ids": token_ids, "text": text, "drafter": request.drafter, "stats": stats}))
+    else:
+        print(f"\n[{stats['new_tokens']} tokens, {stats['steps']} steps, "
+              f"mean accepted length {stats['mean_accepted_len']}]", file=sys.stderr)
     return 0
 
 

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import AsyncIterator
 
 import grpc
 
 from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator
-from pipeline.llm.model import LoadedModel, load_model
+from pipeline.llm.model import LoadedModel, load_draft_model, load_model
 from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, fit_history
+from pipeline.llm.sampling import SamplingOptions
 from services.grpc_server import ModelWorker, StageClock, serve, status_on_error
 from services.protos import load
 from services.redis_store import SessionStore, TokenEntry, TokenStreamWriter, TurnStore, now_ms
@@ -22,10 +24,11 @@ TASKS = {pb.ReplyRequest.CAPTION: Task.CAPTION}
 
 
 class LlmServicer(pb_grpc.LlmServicer):
-    def __init__(self, settings: Settings, loaded: LoadedModel, redis: RedisContext) -> None:
+    def __init__(self, settings: Settings, loaded: LoadedModel, redis: RedisContext,
+                 draft_model: LoadedModel | None = None) -> None:
         self.settings = settings
         self.loaded = loaded
-        self.generator = Generator(loaded)
+        self.generator = Generator(loaded, draft_model, settings.llm.early_exit_layers)
         self.redis = redis
         self.sessions: SessionStore = redis.sessions
         self.turns: TurnStore = redis.turns
@@ -82,9 +85,19 @@ class LlmServicer(pb_grpc.LlmServicer):
             history,
             self.loaded.context_tokens - max_new,
         )
-        generation = GenerationRequest(tuple(prompt_ids), max_new, request.drafter or "none")
+        options = self.settings.llm
+        generation = GenerationRequest(
+            tuple(prompt_ids), max_new, request.drafter or options.drafter, _sampling(request.sampling),
+            max_draft_tokens=options.max_draft_tokens, adaptive_draft=options.adaptive_draft,
+            stop_strings=tuple(request.stop), session_key=request.session_id)
         self.generator.check(generation)
         return generation
+
+
+def _sampling(s) -> SamplingOptions:
+    return SamplingOptions(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
+                           repetition_penalty=s.repetition_penalty or 1.0,
+                           seed=s.seed if s.HasField("seed") else None).validate()
 
 
 def _entry(step: DecodeStep) -> TokenEntry:
@@ -102,6 +115,8 @@ def _entry(step: DecodeStep) -> TokenEntry:
 def _reply_step(step: DecodeStep, clock: StageClock):
     last = step.finish_reason is not None
     return pb.ReplyStep(
+        drafted=step.drafted,
+        stats_json=json.dumps(step.stats.as_dict()) if step.stats else "",
         seq=step.seq,
         token_ids=list(step.token_ids),
         text_delta=step.text_delta,
@@ -116,7 +131,7 @@ async def run(settings: Settings) -> None:
     redis = await open_redis(settings)
     print(f"specvox llm loading {settings.llm.model} ({settings.llm.dtype} on {settings.llm.device})", flush=True)
     loaded = load_model(settings.llm)
-    servicer = LlmServicer(settings, loaded, redis)
+    servicer = LlmServicer(settings, loaded, redis, load_draft_model(settings.llm, loaded))
     servicer.generator.warm_up()
     await serve(
         "llm",

@@ -76,6 +76,27 @@ def stack(redis_url, tmp_path_factory) -> Iterator[dict[str, str]]:
     assert process.returncode == 0, log.read_text()[-3000:]
 
 
+@pytest.fixture(scope="session")
+def tiny_llm_dir(tmp_path_factory):
+    """A small random Llama beside the bundled tokenizer: a 'model the user names by path',
+    and a true float64 target for exactness tests (the GGUF target computes in float32)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from pipeline.models import resolve_llm
+
+    bundled = resolve_llm("bundled")
+    tokenizer = AutoTokenizer.from_pretrained(bundled.name_or_path, gguf_file=bundled.gguf_file)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=tokenizer.eos_token_id)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def write_wav(path: Path, samples: np.ndarray, sample_rate_hz: int, channels: int = 1) -> Path:
     if channels == 2:
         samples = np.repeat(samples, 2)

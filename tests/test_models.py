@@ -8,31 +8,14 @@ import torch
 from pipeline.asr import AsrOptions, Transcriber
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.model import LlmOptions, load_model
-from pipeline.models import ModelNotFoundError, resolve_asr, resolve_llm, resolve_piper_voice
+from pipeline.models import ModelNotFoundError, resolve_asr, resolve_piper_voice
 from pipeline.tts.piper_backend import PiperSynthesizer, TtsOptions
-
-
-@pytest.fixture(scope="module")
-def tiny_llm_dir(tmp_path_factory):
-    """A small random Llama beside the bundled tokenizer: a 'model the user names by path'."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    bundled = resolve_llm("bundled")
-    tokenizer = AutoTokenizer.from_pretrained(bundled.name_or_path, gguf_file=bundled.gguf_file)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         eos_token_id=tokenizer.eos_token_id)
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 def test_llm_loads_a_local_folder_in_the_requested_dtype(tiny_llm_dir):
     loaded = load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float64"))
     assert next(loaded.model.parameters()).dtype == torch.float64
-    assert loaded.context_tokens == 256
+    assert loaded.context_tokens == 512
     steps = list(Generator(loaded).steps(GenerationRequest((1, 2, 3), max_new_tokens=6)))
     assert sum(s.accepted for s in steps) >= 1 and steps[-1].finish_reason in ("eos", "length")
 

@@ -1,32 +1,57 @@
-"""Decoding as a sequence of verified steps.
+"""Decoding as a sequence of verified steps: speculative decoding with any drafter.
 
-A step is what one target forward pass commits: with speculative decoding, the
-accepted draft tokens plus the target's own next token; with plain decoding (the
-`none` drafter, the only one here yet), exactly one token. Consumers (the Redis
-token stream, the gRPC reply) see only steps, so a drafter changes how many tokens
-a step carries, never the contract.
+A step drafts γ tokens, verifies them in one target forward pass over [last, x_1..x_γ],
+keeps the accepted prefix plus one token of the target's own (recovered or bonus, see
+pipeline/llm/sampling.py) and rolls the KV cache back over the rejected tail. With the
+`none` drafter γ is 0 and a step is one plain decoding step, through the same code.
+Consumers (the Redis token stream, the gRPC reply) see only steps of verified tokens.
+
+Invariant of the loop: the target's cache holds every token of `context` but the last.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pipeline.llm.detokenize import IncrementalDetokenizer
-from pipeline.llm.model import LoadedModel
+from pipeline.llm.draft_length import DraftLengthController
+from pipeline.llm.drafters import (
+    EMPTY,
+    Drafter,
+    ModelDrafter,
+    NoDrafter,
+    PromptLookupDrafter,
+    SuffixDrafter,
+)
+from pipeline.llm.model import LoadedModel, early_exit_model, rollback
 from pipeline.llm.prompts import PromptTooLongError
+from pipeline.llm.sampling import (
+    SamplingOptions,
+    apply_repetition_penalty,
+    greedy_verify,
+    logits_to_probs,
+    speculative_verify,
+)
 
-DRAFTERS = ("none",)
+MODEL_FREE_DRAFTERS = ("none", "ngram", "suffix")
+EARLY_EXIT = "early-exit"
+SESSIONS_REMEMBERED = 256  # suffix memories kept, least recently used dropped
 
 
 @dataclass(frozen=True)
 class DecodeStep:
     seq: int  # 0, 1, 2, … within the reply
-    token_ids: tuple[int, ...]  # the tokens this step accepted, in order
+    token_ids: tuple[int, ...]  # the tokens this step committed, in order
     text_delta: str
-    finish_reason: str | None = None  # "eos", "length" or "cancelled" on the last step
+    finish_reason: str | None = None  # "eos", "length", "stop" or "cancelled" on the last step
+    drafted: int = 0  # γ: tokens the drafter proposed for this step
+    stats: GenerationStats | None = None  # on the last step
 
     @property
     def accepted(self) -> int:
@@ -38,26 +63,90 @@ class GenerationRequest:
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     drafter: str = "none"
+    sampling: SamplingOptions = SamplingOptions()
+    max_draft_tokens: int = 8
+    adaptive_draft: bool = True
+    stop_strings: tuple[str, ...] = ()
+    session_key: str = ""  # lets the suffix drafter remember what this session said
 
 
-def greedy_token(logits: torch.Tensor) -> int:
-    """Greedy choice over the last position's logits [vocab]."""
-    return int(torch.argmax(logits, dim=-1))
+@dataclass
+class GenerationStats:
+    """Per request; `merge` aggregates requests."""
+
+    steps: int = 0
+    new_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    drafted_at: list[int] = field(default_factory=list)  # by draft position
+    accepted_at: list[int] = field(default_factory=list)
+    target_s: float = 0.0
+    draft_s: float = 0.0
+    predicted_speedup_sum: float = 0.0
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted_tokens += drafted
+        self.accepted_draft_tokens += accepted
+        grow = max(0, drafted - len(self.drafted_at))
+        self.drafted_at += [0] * grow
+        self.accepted_at += [0] * grow
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < accepted
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Tokens committed per target pass (1.0 is plain decoding)."""
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_draft_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "new_tokens": self.new_tokens,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_draft_tokens": self.accepted_draft_tokens,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_len": round(self.mean_accepted_len, 4),
+            "acceptance_by_position": [round(a / d, 4) if d else None
+                                       for a, d in zip(self.accepted_at, self.drafted_at, strict=True)],
+            "target_s": round(self.target_s, 4),
+            "draft_s": round(self.draft_s, 4),
+            "draft_to_target_cost": round(self.draft_s / self.target_s, 4) if self.target_s else None,
+            "predicted_speedup": round(self.predicted_speedup_sum / self.steps, 4) if self.steps else None,
+        }
 
 
 class Generator:
-    """Runs a request as decode steps, stopping on EOS, the token limit or `should_stop`."""
+    """Runs a request as decode steps, stopping on EOS, a stop string, the token limit or `should_stop`."""
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(
+        self, loaded: LoadedModel, draft_model: LoadedModel | None = None, early_exit_layers: int = 8
+    ) -> None:
         self.loaded = loaded
+        self.draft_model = draft_model
+        self.early_exit_layers = early_exit_layers
+        self._shallow: torch.nn.Module | None = None
+        self._memories: OrderedDict[str, SuffixDrafter] = OrderedDict()
+        self.last_stats = GenerationStats()
+
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        return (*MODEL_FREE_DRAFTERS, *((EARLY_EXIT,) if self.early_exit_layers else ()),
+                *(("draft",) if self.draft_model else ()))
 
     def check(self, request: GenerationRequest) -> None:
-        if request.drafter not in DRAFTERS:
-            raise ValueError(f"unknown drafter {request.drafter!r}: choose one of {', '.join(DRAFTERS)}")
+        if request.drafter not in self.drafters:
+            raise ValueError(f"unknown drafter {request.drafter!r}: choose one of {', '.join(self.drafters)}")
         if not request.prompt_ids:
             raise ValueError("the prompt is empty")
         if request.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
+        request.sampling.validate()
         room = self.loaded.context_tokens - request.max_new_tokens
         if len(request.prompt_ids) > room:
             raise PromptTooLongError(
@@ -76,22 +165,134 @@ class Generator:
         self, request: GenerationRequest, should_stop: Callable[[], bool] = lambda: False
     ) -> Iterator[DecodeStep]:
         self.check(request)
-        model, device = self.loaded.model, self.loaded.device
-        detok = IncrementalDetokenizer(self.loaded.tokenizer)
-        input_ids = torch.tensor([request.prompt_ids], device=device)  # [1, S]
-        out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1)  # prefill
-        cache, logits = out.cache, out.logits[0, -1]
-        for seq in range(request.max_new_tokens):
+        for step in _Run(self, request).steps(should_stop):
+            if step.stats is not None:
+                self.last_stats = step.stats
+            yield step
+
+    def drafter_for(self, request: GenerationRequest, generator: torch.Generator | None) -> Drafter:
+        if request.drafter == "ngram":
+            return PromptLookupDrafter()
+        if request.drafter == "suffix":
+            return self._memory(request.session_key)
+        if request.drafter == "draft" and self.draft_model:
+            return ModelDrafter(self.draft_model.model, self.draft_model.device, request.sampling, generator)
+        if request.drafter == EARLY_EXIT:
+            if self._shallow is None:
+                self._shallow = early_exit_model(self.loaded.model, self.early_exit_layers)
+            return ModelDrafter(self._shallow, self.loaded.device, request.sampling, generator, name=EARLY_EXIT)
+        return NoDrafter()
+
+    def _memory(self, session_key: str) -> SuffixDrafter:
+        if not session_key:
+            return SuffixDrafter()
+        memory = self._memories.pop(session_key, None) or SuffixDrafter()
+        self._memories[session_key] = memory
+        while len(self._memories) > SESSIONS_REMEMBERED:
+            self._memories.popitem(last=False)
+        return memory
+
+
+class _Run:
+    """The state of one request's decoding."""
+
+    def __init__(self, generator: Generator, request: GenerationRequest) -> None:
+        self.loaded, self.request = generator.loaded, request
+        self.sampling = request.sampling
+        seed = self.sampling.seed
+        self.rng = None if seed is None else torch.Generator(device=generator.loaded.device).manual_seed(seed)
+        self.drafter = generator.drafter_for(request, self.rng)
+        self.control = DraftLengthController(max_gamma=request.max_draft_tokens, adaptive=request.adaptive_draft)
+        self.context = list(request.prompt_ids)
+        self.new: list[int] = []
+        self.detok = IncrementalDetokenizer(self.loaded.tokenizer)
+        self.text = ""
+        self.stats = GenerationStats()
+        self.cache = None
+
+    def steps(self, should_stop: Callable[[], bool]) -> Iterator[DecodeStep]:
+        self._prefill()
+        seq = 0
+        while True:
             if should_stop():
-                yield DecodeStep(seq, (), "", "cancelled")
+                yield self._last(DecodeStep(seq, (), "", "cancelled"))
                 return
-            token = greedy_token(logits)
+            tokens, drafted = self._step()
+            tokens, finish = self._finish(tokens)
+            self.new += tokens
+            self.stats.new_tokens = len(self.new)
+            delta = self.detok.push(tokens)
+            delta, tokens, finish = self._stop_strings(delta, tokens, finish)
+            if finish is None and len(self.new) >= self.request.max_new_tokens:
+                finish = "length"
+            step = DecodeStep(seq, tuple(tokens), delta, finish, drafted)
+            if finish:
+                yield self._last(step)
+                return
+            yield step
+            seq += 1
+
+    def _last(self, step: DecodeStep) -> DecodeStep:
+        """The reply is over: let the drafter learn from it, attach the statistics."""
+        self.drafter.commit(self.context)
+        return dataclasses.replace(step, stats=self.stats)
+
+    def _prefill(self) -> None:
+        if len(self.context) > 1:
+            self._forward(self.context[:-1], keep_logits=1)
+
+    def _step(self) -> tuple[list[int], int]:
+        """One draft-and-verify step; returns the committed tokens and γ."""
+        remaining = self.request.max_new_tokens - len(self.new)
+        gamma = self.control.next_gamma(remaining - 1) if self.drafter.name != "none" else 0
+        started = time.perf_counter()
+        draft = self.drafter.propose(self.context, gamma) if gamma else EMPTY
+        draft_s = time.perf_counter() - started
+        x = list(draft.tokens[:gamma])
+        started = time.perf_counter()
+        logits = self._forward([self.context[-1], *x], keep_logits=len(x) + 1)  # [γ+1, V]
+        target_s = time.perf_counter() - started
+        logits = apply_repetition_penalty(logits, self.context, x, self.sampling.repetition_penalty)
+        if self.sampling.greedy:
+            n, next_token = greedy_verify(x, logits)
+        else:
+            q = None if draft.q is None else draft.q[: len(x)]
+            n, next_token = speculative_verify(x, logits_to_probs(logits, self.sampling), q, self.rng)
+        rollback(self.cache, len(self.context) + n)  # drop the keys and values of the rejected tail
+        committed = [*x[:n], next_token]
+        self.context += committed
+        self._account(len(x), n, draft_s, target_s)
+        return committed, len(x)
+
+    def _account(self, drafted: int, accepted: int, draft_s: float, target_s: float) -> None:
+        self.stats.predicted_speedup_sum += self.control.predicted_speedup(drafted)
+        self.stats.record(drafted, accepted)
+        self.stats.draft_s += draft_s
+        self.stats.target_s += target_s
+        plain_step_s = target_s / (1 + self.control.verify_cost_per_token * drafted)
+        cost = (draft_s / drafted) / plain_step_s if drafted and not self.drafter.model_free else None
+        self.control.observe(drafted, accepted, cost)
+
+    def _finish(self, tokens: list[int]) -> tuple[list[int], str | None]:
+        for i, token in enumerate(tokens):
             if token in self.loaded.eos_token_ids:
-                yield DecodeStep(seq, (), detok.push([]), "eos")
-                return
-            last = seq + 1 == request.max_new_tokens
-            yield DecodeStep(seq, (token,), detok.push([token]), "length" if last else None)
-            if last:
-                return
-            out = model(input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True)
-            cache, logits = out.cache, out.logits[0, -1]
+                return tokens[:i], "eos"
+        return tokens, None
+
+    def _stop_strings(self, delta: str, tokens: list[int], finish: str | None) -> tuple[str, list[int], str | None]:
+        """Cut the reply at the first stop string, even one that a draft carried in whole."""
+        if not self.request.stop_strings:
+            return delta, tokens, finish
+        before = len(self.text)
+        self.text += delta
+        hits = [i for s in self.request.stop_strings if (i := self.text.find(s, max(0, before - len(s)))) >= 0]
+        if not hits:
+            return delta, tokens, finish
+        cut = min(hits)
+        return self.text[before:cut] if cut > before else "", tokens, "stop"
+
+    def _forward(self, tokens: list[int], keep_logits: int) -> torch.Tensor:
+        ids = torch.tensor([tokens], device=self.loaded.device)
+        out = self.loaded.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=keep_logits)
+        self.cache = out.cache
+        return out.logits[0]

@@ -5,7 +5,9 @@ Device and dtype are settings; nothing here assumes a CPU or a float size.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,6 +29,11 @@ class LlmOptions:
     max_new_tokens: int = 96
     torch_threads: int = 0  # 0: torch's default
     offline: bool = True  # never reach a model hub unless told to
+    drafter: str = "suffix"  # the default drafter: none, ngram, suffix, early-exit, draft
+    draft_model: str = ""  # a smaller causal LM sharing the target's tokenizer (path or hub id)
+    early_exit_layers: int = 8  # depth of the self-speculative drafter
+    max_draft_tokens: int = 8
+    adaptive_draft: bool = True
 
 
 @dataclass
@@ -36,6 +43,48 @@ class LoadedModel:
     device: torch.device
     context_tokens: int
     eos_token_ids: frozenset[int]
+
+
+def load_draft_model(options: LlmOptions, target: LoadedModel) -> LoadedModel | None:
+    """The configured draft model, on the target's device and dtype; it must share the vocabulary."""
+    if not options.draft_model:
+        return None
+    draft = load_model(LlmOptions(model=options.draft_model, device=options.device, dtype=options.dtype,
+                                  offline=options.offline))
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():  # type: ignore[attr-defined]
+        raise ValueError(f"draft model {options.draft_model!r} does not share the target's tokenizer")
+    return draft
+
+
+def early_exit_model(model: Any, layers: int) -> torch.nn.Module:
+    """The target truncated to its first `layers` decoder layers, sharing every weight.
+
+    Self-speculation (Elhoushi et al. 2024, "LayerSkip"; Zhang et al. 2024, "Draft &
+    Verify"): the shallow model drafts, the full one verifies. Nothing is copied but the
+    module objects' attribute tables and the config, so the cost is a few kilobytes.
+    """
+    total = int(model.config.num_hidden_layers)
+    if not 0 < layers < total:
+        raise ValueError(f"early exit needs 1 to {total - 1} layers, not {layers}")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    inner = copy.copy(model.model)
+    inner._modules = dict(inner._modules)
+    inner.config = config
+    shallow = copy.copy(model)
+    shallow._modules = dict(shallow._modules)
+    shallow.model = inner
+    shallow.config = config
+    return shallow
+
+
+def rollback(cache: object, keep_tokens: int) -> None:
+    """Shrink a KV cache to its first `keep_tokens` positions (transformers 5 crops by a negative count)."""
+    extra = cache.get_seq_length() - keep_tokens  # type: ignore[attr-defined]
+    if extra > 0:
+        cache.crop(-extra)  # type: ignore[attr-defined]
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -1,0 +1,86 @@
+"""`specvox bench spec`: speculative decoding against Hugging Face, same weights, dtype and lengths.
+
+Rows per workload (the dialogue and caption sets of shared/data/prompts.json):
+Hugging Face `generate()` greedy, Hugging Face prompt-lookup assisted generation, specvox
+plain decoding, and specvox with each drafter. Throughput is new tokens over wall time,
+summed over the set; `identical_to_greedy` compares every output with HF greedy's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline.llm.engine import GenerationRequest, Generator
+from pipeline.llm.model import load_draft_model, load_model
+from pipeline.llm.prompts import Task, chat_messages, encode_chat
+
+PROMPTS_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts.json"
+HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
+
+
+def run(settings, limit: int, max_new_tokens: int, json_path: str | None) -> int:
+    prompts = json.loads(PROMPTS_FILE.read_text())
+    loaded = load_model(settings.llm)
+    generator = Generator(loaded, load_draft_model(settings.llm, loaded), settings.llm.early_exit_layers)
+    methods = ["hf-greedy", "hf-prompt-lookup", *[f"specvox-{d}" for d in generator.drafters]]
+    rows = []
+    for workload in ("dialogue", "caption"):
+        encoded = [encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, p)) for p in prompts[workload][:limit]]
+        reference: list[list[int]] = []
+        baseline = 0.0
+        for method in methods:
+            outputs, seconds, accepted_len = _measure(method, generator, encoded, max_new_tokens)
+            if method == "hf-greedy":
+                reference, baseline = outputs, sum(map(len, outputs)) / seconds
+            tokens_per_s = sum(map(len, outputs)) / seconds
+            rows.append({
+                "workload": workload, "method": method, "prompts": len(encoded), "max_new_tokens": max_new_tokens,
+                "dtype": settings.llm.dtype, "device": settings.llm.device,
+                "tokens_per_s": round(tokens_per_s, 2), "speedup_vs_hf_greedy": round(tokens_per_s / baseline, 3),
+                "mean_accepted_len": accepted_len, "identical_to_greedy": outputs == reference,
+            })
+            print(f"  {workload:<9} {method:<22} {tokens_per_s:7.1f} tok/s", flush=True)
+    print_table(rows)
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=2) + "\n")
+        print(f"wrote {json_path}")
+    return 0
+
+
+def _measure(method: str, generator: Generator, prompts: list[list[int]], max_new: int):
+    outputs, seconds, steps, tokens = [], 0.0, 0, 0
+    eos = generator.loaded.eos_token_ids
+    for prompt in prompts:
+        started = time.perf_counter()
+        if method.startswith("hf-"):
+            out = _hf_generate(generator, prompt, max_new, method == "hf-prompt-lookup")
+        else:
+            request = GenerationRequest(tuple(prompt), max_new, method.removeprefix("specvox-"))
+            out = [t for step in generator.steps(request) for t in step.token_ids]
+            steps += generator.last_stats.steps
+            tokens += generator.last_stats.new_tokens
+        seconds += time.perf_counter() - started
+        outputs.append([t for t in out if t not in eos])
+    return outputs, seconds, (round(tokens / steps, 3) if steps else None)
+
+
+@torch.inference_mode()
+def _hf_generate(generator: Generator, prompt: list[int], max_new: int, prompt_lookup: bool) -> list[int]:
+    loaded = generator.loaded
+    ids = torch.tensor([prompt], device=loaded.device)
+    extra = {"prompt_lookup_num_tokens": HF_PROMPT_LOOKUP_TOKENS} if prompt_lookup else {}
+    out = loaded.model.generate(ids, max_new_tokens=max_new, do_sample=False, eos_token_id=sorted(loaded.eos_token_ids),
+                                pad_token_id=loaded.tokenizer.pad_token_id or 0, **extra)  # type: ignore[attr-defined]
+    return out[0, len(prompt):].tolist()
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'workload':<9} {'method':<22} {'tok/s':>8} {'vs HF greedy':>13} {'accepted/step':>14} {'identical':>10}")
+    for r in rows:
+        accepted = "" if r["mean_accepted_len"] is None else f"{r['mean_accepted_len']:.2f}"
+        print(f"{r['workload']:<9} {r['method']:<22} {r['tokens_per_s']:>8.1f} {r['speedup_vs_hf_greedy']:>12.2f}x "
+              f"{accepted:>14} {str(r['identical_to_greedy']):>10}")

@@ -1,0 +1,236 @@
+"""Speculative decoding is lossless: greedy token for token, sampling in distribution.
+
+Greedy exactness runs on a true float64 target (a small random Llama with the bundled
+tokenizer: the GGUF target computes in float32 whatever dtype it is given) for every
+drafter on every prompt of shared/data/prompts.json, and on the bundled target in
+float32, the configuration it serves in.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from pipeline.llm.drafters import Draft, SuffixAutomaton
+from pipeline.llm.engine import GenerationRequest, Generator
+from pipeline.llm.model import LlmOptions, load_model, rollback
+from pipeline.llm.prompts import Task, chat_messages, encode_chat
+from pipeline.llm.sampling import SamplingOptions, logits_to_probs, sample, speculative_verify
+
+PROMPTS_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts.json"
+FALLBACK = {"dialogue": ["Hello there! How is your day going so far?"],
+            "caption": ["Rewrite this transcript as a clean caption, keeping the speaker's words: so uh hi"]}
+PROMPTS = json.loads(PROMPTS_FILE.read_text()) if PROMPTS_FILE.exists() else FALLBACK
+ALL_PROMPTS = [(task, text) for task in ("dialogue", "caption") for text in PROMPTS[task]]
+DRAFTERS = ("ngram", "suffix", "early-exit", "draft")
+FALSE_ALARM = 1e-3  # per chi-square test; 13 tests → family-wise false alarm ≈ 1.3 %
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llm_dir):
+    target = load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float64"))
+    torch.manual_seed(1)
+    draft = load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float64"))
+    with torch.no_grad():  # same architecture, perturbed weights: a drafter that is often right, not always
+        for p in draft.model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return Generator(target, draft, early_exit_layers=2)
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return Generator(load_model(LlmOptions(dtype="float32")), early_exit_layers=8)
+
+
+def encode(generator: Generator, text: str) -> tuple[int, ...]:
+    return tuple(encode_chat(generator.loaded.tokenizer, chat_messages(Task.DIALOGUE, text)))
+
+
+def run(generator: Generator, prompt: Sequence[int], drafter: str, max_new: int = 128, **kw) -> list[int]:
+    request = GenerationRequest(tuple(prompt), max_new, drafter, **kw)
+    return [t for step in generator.steps(request) for t in step.token_ids]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny) -> dict[str, list[int]]:
+    """Plain greedy decoding of every prompt: the reference each drafter must reproduce."""
+    return {text: run(tiny, encode(tiny, text), "none") for _, text in ALL_PROMPTS}
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_greedy_float64_equals_plain_decoding_on_every_prompt(tiny, plain_outputs, drafter):
+    accepted = 0
+    for _, text in ALL_PROMPTS:
+        speculative = run(tiny, encode(tiny, text), drafter)
+        accepted += tiny.last_stats.accepted_draft_tokens
+        assert speculative == plain_outputs[text], text
+    assert accepted > 0, f"{drafter} never had a token accepted: the test exercised nothing"
+
+
+def test_plain_float64_equals_hugging_face_generate(tiny, plain_outputs):
+    for _, text in ALL_PROMPTS[::8]:
+        prompt = encode(tiny, text)
+        with torch.inference_mode():
+            out = tiny.loaded.model.generate(torch.tensor([prompt]), max_new_tokens=128, do_sample=False,
+                                             eos_token_id=sorted(tiny.loaded.eos_token_ids), pad_token_id=0)
+        theirs = [t for t in out[0, len(prompt):].tolist() if t not in tiny.loaded.eos_token_ids]
+        assert plain_outputs[text] == theirs
+
+
+@pytest.mark.parametrize("drafter", ("ngram", "suffix", "early-exit"))
+def test_greedy_on_the_bundled_target_equals_plain_decoding(bundled, drafter):
+    for task in ("dialogue", "caption"):
+        for text in PROMPTS[task][:2]:
+            prompt = encode(bundled, text)
+            assert run(bundled, prompt, drafter, 48) == run(bundled, prompt, "none", 48), text
+
+
+def test_steps_commit_several_tokens_on_a_caption(bundled):
+    """Captions repeat their transcript: prompt lookup should commit many tokens per pass."""
+    prompt = encode(bundled, PROMPTS["caption"][0])
+    steps = list(bundled.steps(GenerationRequest(prompt, 48, "ngram")))
+    assert max(s.accepted for s in steps) > 1
+    assert bundled.last_stats.mean_accepted_len > 1.0
+
+
+class OracleDrafter:
+    """Proposes a known continuation: every token passes, so limits are hit inside drafts."""
+
+    name = "oracle"
+    model_free = True
+
+    def __init__(self, prompt_len: int, continuation: Sequence[int]) -> None:
+        self.prompt_len, self.continuation = prompt_len, list(continuation)
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        done = len(context) - self.prompt_len
+        return Draft(tuple(self.continuation[done : done + k]))
+
+    def commit(self, context: Sequence[int]) -> None:
+        pass
+
+
+def test_eos_and_max_new_tokens_inside_a_draft(tiny, monkeypatch):
+    prompt = encode(tiny, "Tell me a story.")
+    plain = run(tiny, prompt, "none", 40)
+    eos = min(tiny.loaded.eos_token_ids)
+    oracle = OracleDrafter(len(prompt), plain[:5] + [eos] + plain[5:])
+    monkeypatch.setattr(tiny, "drafter_for", lambda request, rng: oracle)
+    steps = list(tiny.steps(GenerationRequest(prompt, 40, "ngram", adaptive_draft=False)))
+    committed = [t for s in steps for t in s.token_ids]
+    # The target disagrees with the planted EOS unless it predicts EOS itself; either way no EOS is emitted.
+    assert eos not in committed and committed == plain[: len(committed)]
+    oracle = OracleDrafter(len(prompt), plain)
+    monkeypatch.setattr(tiny, "drafter_for", lambda request, rng: oracle)
+    steps = list(tiny.steps(GenerationRequest(prompt, 7, "ngram", max_draft_tokens=5, adaptive_draft=False)))
+    assert [t for s in steps for t in s.token_ids] == plain[:7]
+    assert steps[-1].finish_reason == "length" and steps[0].accepted == 6  # 5 drafted + 1 bonus
+
+
+def test_an_accepted_eos_in_a_draft_ends_the_reply(tiny, monkeypatch):
+    prompt = encode(tiny, "Tell me a story.")
+    plain = run(tiny, prompt, "none", 12)
+    eos = min(tiny.loaded.eos_token_ids)
+    tiny.loaded.eos_token_ids = tiny.loaded.eos_token_ids | {plain[3]}  # the target's 4th token now ends it
+    try:
+        monkeypatch.setattr(tiny, "drafter_for", lambda request, rng: OracleDrafter(len(prompt), plain))
+        steps = list(tiny.steps(GenerationRequest(prompt, 12, "ngram", adaptive_draft=False)))
+    finally:
+        tiny.loaded.eos_token_ids = frozenset(t for t in tiny.loaded.eos_token_ids if t != plain[3]) | {eos}
+    assert [t for s in steps for t in s.token_ids] == plain[:3]
+    assert steps[-1].finish_reason == "eos" and len(steps) == 1
+
+
+def test_stop_strings_cut_the_reply_even_inside_a_step(bundled):
+    prompt = encode(bundled, PROMPTS["caption"][1])
+    full = "".join(s.text_delta for s in bundled.steps(GenerationRequest(prompt, 40, "ngram")))
+    stop = full.split()[3]
+    steps = list(bundled.steps(GenerationRequest(prompt, 40, "ngram", stop_strings=(stop,))))
+    text = "".join(s.text_delta for s in steps)
+    assert steps[-1].finish_reason == "stop" and stop not in text and full.startswith(text)
+
+
+def test_rollback_leaves_the_cache_as_if_the_tail_was_never_seen(tiny):
+    model, ids = tiny.loaded.model, torch.tensor([[5, 9, 12, 7, 3, 8]])
+    with torch.inference_mode():
+        cache = model(input_ids=ids, use_cache=True).cache
+        rollback(cache, 3)
+        assert cache.get_seq_length() == 3
+        resumed = model(input_ids=torch.tensor([[21]]), cache=cache, use_cache=True).logits[0, -1]
+        fresh = model(input_ids=torch.tensor([[5, 9, 12, 21]]), use_cache=True).logits[0, -1]
+    torch.testing.assert_close(resumed, fresh)
+
+
+def test_suffix_automaton_finds_the_longest_earlier_match():
+    automaton = SuffixAutomaton()
+    for token in [1, 2, 3, 4, 9, 2, 3, 5]:
+        automaton.extend(token)
+    assert automaton.longest_suffix_match([7, 2, 3]) == (2, 2)  # "2 3" first ends at index 2, then 4 follows
+    assert automaton.longest_suffix_match([9, 2, 3, 5]) == (4, 7)
+    assert automaton.longest_suffix_match([6]) == (0, -1)
+
+
+def test_the_suffix_drafter_remembers_the_session(tiny):
+    prompt = encode(tiny, "What time is it?")
+    first = run(tiny, prompt, "suffix", 60, session_key="s1")
+    again = run(tiny, prompt, "suffix", 60, session_key="s1")
+    assert again == first
+    assert tiny.last_stats.mean_accepted_len > 2  # the second reply is replayed from memory
+
+
+def test_sampling_is_reproducible_with_a_seed_for_every_drafter(tiny):
+    prompt = encode(tiny, "Say something.")
+    for drafter in ("none", *DRAFTERS):
+        options = SamplingOptions(temperature=0.8, top_k=50, top_p=0.9, seed=7)
+        assert run(tiny, prompt, drafter, 30, sampling=options) == run(tiny, prompt, drafter, 30, sampling=options)
+
+
+# --- The acceptance rule, in distribution -------------------------------------------------
+
+VOCAB, GAMMA, SAMPLES = 12, 3, 100_000
+
+
+def first_token_counts(options: SamplingOptions, point_mass: bool, rule=speculative_verify, seed: int = 0):
+    """Draw γ draft tokens from q, verify against p, count the first committed token."""
+    g = torch.Generator().manual_seed(seed)
+    target_logits = torch.randn(GAMMA + 1, VOCAB, generator=g, dtype=torch.float64) * 2
+    draft_logits = target_logits[:GAMMA] + torch.randn(GAMMA, VOCAB, generator=g, dtype=torch.float64) * 1.5
+    p = logits_to_probs(target_logits, options)
+    q = logits_to_probs(draft_logits, options)
+    counts = np.zeros(VOCAB)
+    drafts = torch.stack([torch.multinomial(q[i], SAMPLES, replacement=True, generator=g) for i in range(GAMMA)], 1)
+    for x in drafts.tolist():
+        n, nxt = rule(x, p, None if point_mass else q, g)
+        counts[x[0] if n > 0 else nxt] += 1
+    return counts, p[0].numpy()
+
+
+def assert_distributed_as(counts: np.ndarray, expected: np.ndarray) -> float:
+    support = expected > 0
+    assert counts[~support].sum() == 0, "a token the target rules out was emitted"
+    return chisquare(counts[support], expected[support] * counts.sum()).pvalue
+
+
+@pytest.mark.parametrize("options", [
+    SamplingOptions(temperature=0.3), SamplingOptions(temperature=0.7), SamplingOptions(temperature=1.0),
+    SamplingOptions(temperature=1.5), SamplingOptions(temperature=1.0, top_k=5),
+    SamplingOptions(temperature=1.0, top_p=0.8),
+], ids=["t0.3", "t0.7", "t1.0", "t1.5", "top_k5", "top_p0.8"])
+@pytest.mark.parametrize("point_mass", [False, True], ids=["draft-model", "point-mass"])
+def test_speculative_sampling_keeps_the_target_distribution(options, point_mass):
+    counts, p = first_token_counts(options, point_mass)
+    assert assert_distributed_as(counts, p) > FALSE_ALARM
+
+
+def test_a_rule_that_accepts_every_draft_is_caught():
+    def accept_all(x, p, q, g):
+        return len(x), sample(p[len(x)], g)
+
+    counts, p = first_token_counts(SamplingOptions(temperature=1.0), point_mass=False, rule=accept_all)
+    assert assert_distributed_as(counts, p) < FALSE_ALARM
