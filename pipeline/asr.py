@@ -1,8 +1,10 @@
 """Speech recognition for a live turn: Silero VAD endpointing plus faster-whisper.
 
-`UtteranceSegmenter` watches a growing 16 kHz stream and closes an utterance once
-`end_of_speech_silence_ms` of silence follows speech; `Transcriber` turns a closed
-utterance into text and word timings in the stream's timeline.
+`UtteranceSegmenter` watches a growing 16 kHz stream: speech has started once
+`speech_start_ms` of it is heard, and an utterance closes once `end_of_speech_silence_ms`
+of silence follows it. `Transcriber` turns an utterance (closed, or still open for a
+partial result) into text and word timings in the stream's timeline. `pipeline.asr_stream`
+puts the two together into partial and final transcripts.
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ class AsrOptions:
     language: str = "en"
     beam_size: int = 1
     vad_threshold: float = 0.5
-    end_of_speech_silence_ms: int = 400
-    min_speech_ms: int = 200
+    speech_start_ms: int = 200  # speech heard for this long starts an utterance (shorter blips are ignored)
+    end_of_speech_silence_ms: int = 400  # silence after speech for this long closes the utterance
     vad_check_every_ms: int = 100
+    partial_every_ms: int = 200  # re-transcribe the open utterance after this much new audio
+    agreement_n: int = 2  # LocalAgreement-n: hypotheses that must agree before a word is committed
+    final_reuse_margin_ms: int = 200  # a partial pass that heard this much silence after the speech is the final
     transcribe_pad_ms: int = 300  # audio kept either side of the detected speech
     max_utterance_s: float = 25.0  # forced close: Whisper sees at most 30 s
     offline: bool = True  # a model named by hub id must already be in the local cache
@@ -68,7 +73,7 @@ class UtteranceSegmenter:
         self.options = options
         self._vad = VadOptions(
             threshold=options.vad_threshold,
-            min_speech_duration_ms=options.min_speech_ms,
+            min_speech_duration_ms=options.speech_start_ms,
             min_silence_duration_ms=options.end_of_speech_silence_ms,
             speech_pad_ms=0,
         )
@@ -76,7 +81,13 @@ class UtteranceSegmenter:
         self._buffer_start = 0  # sample index of _buffer[0] in the stream
         self._unchecked = 0
         self._index = 0
+        self._open: list[dict] = []  # Silero spans of the utterance still open, in buffer samples
         self.speech_active = False
+
+    @property
+    def silence_after_s(self) -> float:
+        """Silence heard since the open utterance's last speech (0 when none is open)."""
+        return (self._buffer.size - self._open[-1]["end"]) / SAMPLE_RATE_HZ if self._open else 0.0
 
     @property
     def stream_s(self) -> float:
@@ -94,21 +105,49 @@ class UtteranceSegmenter:
         """The stream ended: whatever speech is open closes now."""
         return self._scan(final=True)
 
+    def open_utterance(self) -> Utterance | None:
+        """The utterance still being spoken, as heard so far (for partial results)."""
+        if not self._open:
+            return None
+        start = self._open[0]["start"]
+        lo = max(0, start - self.options.transcribe_pad_ms * SAMPLE_RATE_HZ // 1000)
+        return Utterance(
+            index=self._index,
+            speech_start_s=(self._buffer_start + start) / SAMPLE_RATE_HZ,
+            speech_end_s=(self._buffer_start + self._open[-1]["end"]) / SAMPLE_RATE_HZ,
+            audio=self._buffer[lo:].copy(),
+            audio_start_s=(self._buffer_start + lo) / SAMPLE_RATE_HZ,
+        )
+
     def _scan(self, final: bool) -> list[Utterance]:
+        """Close every utterance that silence (or the stream's end) has ended.
+
+        Silero merges speech separated by less than `end_of_speech_silence_ms`, so
+        each span but the last is a whole utterance already.
+        """
         from faster_whisper.vad import get_speech_timestamps
 
         spans = get_speech_timestamps(self._buffer, self._vad)
         if not spans:
-            self.speech_active = False
+            self._open, self.speech_active = [], False
             self._forget_silence()
             return []
-        self.speech_active = True
-        silence_after = self._buffer.size - spans[-1]["end"]
         needed = self.options.end_of_speech_silence_ms * SAMPLE_RATE_HZ // 1000
-        too_long = spans[-1]["end"] - spans[0]["start"] >= self.options.max_utterance_s * SAMPLE_RATE_HZ
-        if final or silence_after >= needed or too_long:
-            return [self._close(spans[0]["start"], spans[-1]["end"])]
-        return []
+        longest = self.options.max_utterance_s * SAMPLE_RATE_HZ
+        closed = []
+        while spans:
+            silence_after = self._buffer.size - spans[-1]["end"]
+            too_long = spans[-1]["end"] - spans[0]["start"] >= longest
+            if len(spans) > 1:
+                first = spans.pop(0)
+            elif final or silence_after >= needed or too_long:
+                first = spans.pop(0)
+            else:
+                break
+            closed.append(self._close(first["start"], first["end"]))
+            spans = [{"start": s["start"] - first["end"], "end": s["end"] - first["end"]} for s in spans]
+        self._open, self.speech_active = spans, bool(spans)
+        return closed
 
     def _close(self, start: int, end: int) -> Utterance:
         pad = self.options.transcribe_pad_ms * SAMPLE_RATE_HZ // 1000
@@ -121,7 +160,6 @@ class UtteranceSegmenter:
             audio_start_s=(self._buffer_start + lo) / SAMPLE_RATE_HZ,
         )
         self._index += 1
-        self.speech_active = False
         self._buffer_start += end
         self._buffer = self._buffer[end:]
         return utterance
