@@ -35,8 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--wav", help="your own question (default: one made with the bundled voice)")
     demo.add_argument("--out", default="out/demo")
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
-    bench.add_argument("what", choices=["turn"])
-    bench.add_argument("--turns", type=int, default=8, help="spoken turns (dialogue prompts)")
+    bench.add_argument("what", choices=["turn", "asr"])
+    bench.add_argument("--turns", type=int, default=8, help="spoken turns, or sentences per voice (dialogue prompts)")
     bench.add_argument("--json", dest="json_path", help="write the rows here")
     args = parser.parse_args(argv)
 
@@ -52,9 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "client":
         return run_client(settings, args)
     if args.command == "bench":
-        from bench import turn
+        import importlib
 
-        return turn.run(settings, args.turns, args.json_path)
+        return importlib.import_module(f"bench.{args.what}").run(settings, args.turns, args.json_path)
     if args.command == "demo":
         from services.demo import run_demo
 
