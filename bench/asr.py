@@ -19,6 +19,7 @@ clock by the wall time it really took on this machine. So, per clip:
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import statistics
 import subprocess
@@ -120,6 +121,7 @@ def espeak(text: str) -> np.ndarray:
 
 
 def run(settings, sentences: int, json_path: str | None) -> int:
+    logging.getLogger("faster_whisper").setLevel(logging.WARNING)  # it logs every pass
     options: AsrOptions = settings.asr
     transcriber = Transcriber(options)
     transcriber.warm_up()

@@ -17,6 +17,11 @@ import numpy as np
 from pipeline.models import not_found_offline, resolve_asr
 
 SAMPLE_RATE_HZ = 16_000  # what Whisper and Silero VAD expect
+VAD_FRAME_MS = 32  # Silero's window: 512 samples at 16 kHz
+MAX_TOKENS_PER_S = 10  # fast speech is ~4 words/s; more tokens than this is a repetition loop
+# Whisper fed a cut-off utterance sometimes loops ("tell me about the tell me about the"); no
+# 5-token sequence may repeat within one pass (speech rarely repeats 4 words in an utterance).
+NO_REPEAT_NGRAM_TOKENS = 5
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,9 @@ class AsrOptions:
     final_reuse_margin_ms: int = 200  # a partial pass that heard this much silence after the speech is the final
     transcribe_pad_ms: int = 300  # audio kept either side of the detected speech
     max_utterance_s: float = 25.0  # forced close: Whisper sees at most 30 s
+    # Encode only the audio (plus 1-2 s of padding) instead of Whisper's whole 30 s window:
+    # the encoder's cost falls with it (see TrimmedWhisper). False: stock faster-whisper.
+    trim_encoder_input: bool = True
     offline: bool = True  # a model named by hub id must already be in the local cache
 
 
@@ -77,6 +85,8 @@ class UtteranceSegmenter:
             min_silence_duration_ms=options.end_of_speech_silence_ms,
             speech_pad_ms=0,
         )
+        self._tail_vad = VadOptions(threshold=options.vad_threshold, min_speech_duration_ms=0,
+                                    min_silence_duration_ms=VAD_FRAME_MS, speech_pad_ms=0)
         self._buffer = np.zeros(0, np.float32)
         self._buffer_start = 0  # sample index of _buffer[0] in the stream
         self._unchecked = 0
@@ -147,7 +157,22 @@ class UtteranceSegmenter:
             closed.append(self._close(first["start"], first["end"]))
             spans = [{"start": s["start"] - first["end"], "end": s["end"] - first["end"]} for s in spans]
         self._open, self.speech_active = spans, bool(spans)
+        if spans:
+            spans[-1]["end"] = self._last_speech_end(spans[-1])
         return closed
+
+    def _last_speech_end(self, span: dict) -> int:
+        """Where the open utterance's speech really stopped, in buffer samples.
+
+        Silero reports an open span as running to the end of the buffer until the full
+        `end_of_speech_silence_ms` has passed; a second look at the last second, with a
+        short silence window, finds the end of speech as soon as it is heard.
+        """
+        from faster_whisper.vad import get_speech_timestamps
+
+        tail_start = max(span["start"], self._buffer.size - SAMPLE_RATE_HZ)
+        tail = get_speech_timestamps(self._buffer[tail_start:], self._tail_vad)
+        return tail_start + tail[-1]["end"] if tail else span["start"] + 1
 
     def _close(self, start: int, end: int) -> Utterance:
         pad = self.options.transcribe_pad_ms * SAMPLE_RATE_HZ // 1000
@@ -177,11 +202,10 @@ class Transcriber:
     """faster-whisper on a closed utterance; blocking, so services run it in a thread."""
 
     def __init__(self, options: AsrOptions) -> None:
-        from faster_whisper import WhisperModel
-
         self.options = options
+        model_class = trimmed_whisper_class() if options.trim_encoder_input else _whisper_class()
         try:
-            self.model = WhisperModel(
+            self.model = model_class(
                 resolve_asr(options.model),
                 device=options.device,
                 compute_type=options.compute_type,
@@ -206,10 +230,51 @@ class Transcriber:
             word_timestamps=True,
             condition_on_previous_text=False,
             vad_filter=False,
+            # One greedy pass: no re-decoding at higher temperatures (a cut-off partial
+            # would trigger it, 6 passes for one result), and no runaway repetition.
+            temperature=0.0,
+            max_new_tokens=MAX_TOKENS_PER_S * (1 + int(utterance.audio.size / SAMPLE_RATE_HZ)),
+            no_repeat_ngram_size=NO_REPEAT_NGRAM_TOKENS,
         )
         words = tuple(_shift_words(segments, utterance.audio_start_s))
         text = "".join(w.text for w in words).strip()
         return Transcript(text=text, words=words)
+
+
+def _whisper_class() -> type:
+    from faster_whisper import WhisperModel
+
+    return WhisperModel
+
+
+# 10 s of mel frames (10 ms each): the least the encoder is given. 3 s was faster still
+# (~125 ms a pass against ~165 ms) but made whisper loop ("Thank you. Thank you") more often.
+ENCODER_MIN_FRAMES = 1000
+ENCODER_PAD_FRAMES = 100  # silence kept after the audio, so the decoder sees where it ends
+
+
+def trimmed_whisper_class() -> type:
+    """faster-whisper with the encoder's input cut to the audio's own length.
+
+    faster-whisper pads every segment's log-mel features with zero frames to 30 s, and the
+    encoder's time grows with its input: on 2 CPU cores whisper tiny.en encodes 30 s in
+    ~470 ms and 10 s in ~50 ms. For a few seconds of speech nearly all of that is padding,
+    paid again on every partial pass. This keeps the audio's frames plus 1-2 s of the
+    padding, and at least 10 s. Whisper was trained on 30 s windows, so this is a trade: on the
+    `specvox bench asr` set word error rates stayed within a word or two of stock
+    (docs/benchmarks.md); set `asr.trim_encoder_input=false` for stock behaviour.
+    """
+    from faster_whisper import WhisperModel
+
+    class TrimmedWhisper(WhisperModel):
+        def encode(self, features: np.ndarray):
+            batch = features if features.ndim == 3 else features[None]  # [B, 80 mels, frames]
+            audio_frames = np.flatnonzero(np.any(batch != 0, axis=(0, 1)))  # padding frames are exactly 0
+            used = audio_frames[-1] + 1 if audio_frames.size else 0
+            keep = max(ENCODER_MIN_FRAMES, -(-used // ENCODER_PAD_FRAMES) * ENCODER_PAD_FRAMES + ENCODER_PAD_FRAMES)
+            return super().encode(np.ascontiguousarray(batch[..., : min(keep, batch.shape[-1])]))
+
+    return TrimmedWhisper
 
 
 def _shift_words(segments: Iterator, offset_s: float) -> Iterator[Word]:
