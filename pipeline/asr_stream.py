@@ -16,8 +16,10 @@ one last hypothesis, so it extends, and never contradicts, what the partials com
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import takewhile
 
 import numpy as np
 
@@ -28,6 +30,8 @@ from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber, Utterance, Utt
 TIME_SLACK_S = 0.1
 # A hypothesis may repeat up to this many committed words at its head; they are dropped.
 MAX_OVERLAP_WORDS = 5
+# While the user speaks, words ending this close to the end of what a pass heard stay tentative.
+EDGE_GUARD_S = 0.3
 
 
 def norm_word(text: str) -> str:
@@ -55,10 +59,15 @@ class LocalAgreement:
         self.tentative: list[Word] = []
         self._recent: list[list[Word]] = []  # the last n-1 hypotheses, after the committed words
 
-    def update(self, hypothesis: Sequence[Word]) -> list[Word]:
-        """Take one more hypothesis; returns the words it newly committed."""
+    def update(self, hypothesis: Sequence[Word], settled_until_s: float = math.inf) -> list[Word]:
+        """Take one more hypothesis; returns the words it newly committed.
+
+        Only words ending by `settled_until_s` may be committed by this hypothesis (a word
+        cut off by the end of the audio a pass heard is often misheard, the same way twice).
+        """
         history = [*self._recent, self.unseen(hypothesis)]
-        agreed = _common_prefix(history) if len(history) >= self.n else []
+        settled = list(takewhile(lambda w: w.end_s <= settled_until_s, history[-1]))
+        agreed = _common_prefix([*history[:-1], settled]) if len(history) >= self.n else []
         self.committed += agreed
         self._recent = [h[len(agreed):] for h in history][len(history) - (self.n - 1):] if self.n > 1 else []
         self.tentative = history[-1][len(agreed):]
@@ -184,7 +193,8 @@ class StreamingRecognizer:
         words = self.transcriber.transcribe(utterance).words
         self._pass_index, self._pass_words = utterance.index, words
         self._pass_heard_s = utterance.audio_start_s + utterance.audio.size / SAMPLE_RATE_HZ
-        self.agreement.update(words)
+        ending = self._pass_heard_s - utterance.speech_end_s >= self.options.final_reuse_margin_ms / 1000
+        self.agreement.update(words, math.inf if ending else self._pass_heard_s - EDGE_GUARD_S)
         return PartialTranscript(
             utterance_index=utterance.index,
             committed=tuple(self.agreement.committed),
@@ -192,7 +202,7 @@ class StreamingRecognizer:
             speech_start_s=utterance.speech_start_s,
             speech_end_s=utterance.speech_end_s,
             heard_s=self._pass_heard_s,
-            speech_ending=self._pass_heard_s - utterance.speech_end_s >= self.options.final_reuse_margin_ms / 1000,
+            speech_ending=ending,
         )
 
     def _final(self, utterance: Utterance) -> FinalTranscript:

@@ -178,3 +178,10 @@ def test_caption_cues_for_the_users_words_break_at_pauses_and_line_length():
     assert [c.text for c in cues] == ["what is the capital", "of France", "thanks"]
     assert cues[0].start_s == 0.0 and cues[-1].end_s == pytest.approx(3.25)
     assert all(a.end_s <= b.start_s for a, b in pairwise(cues))
+
+
+def test_words_at_the_edge_of_the_heard_audio_stay_tentative():
+    agreement = LocalAgreement(n=2)
+    agreement.update(words("good morning to"))  # ends at 0.85 s
+    assert texts(agreement.update(words("good morning to"), settled_until_s=0.6)) == ["good", "morning"]
+    assert texts(agreement.tentative) == ["to"]
