@@ -174,8 +174,9 @@ class Conversation:
                 turn.preemption, turn.transcript = "kept", event
                 turn.speech_end_unix_ms = self.arrivals.arrival_ms(event.speech_end_s)
                 turn.stage_times.append(_stage(event.times))
+                turn.clock.emitted()  # the final first, then the output held back for it
+                await self.events.put(pb.ServerEvent(turn_id=turn.turn_id, transcript=_transcript(event, final=True)))
                 turn.confirmed.set()
-                await self._send(turn, transcript=_transcript(event, final=True))
                 return
             self.preemptions.dropped += 1
             turn.preemption = "dropped"
