@@ -82,6 +82,7 @@ class Turn:
     preemption: str = ""  # "", or "kept" / "dropped" for a turn started from a partial
     confirmed: asyncio.Event = field(default_factory=asyncio.Event)  # its output may go out
     task: asyncio.Task | None = None
+    reported: bool = False
 
     @property
     def awaiting_final(self) -> bool:
@@ -198,9 +199,13 @@ class Conversation:
         self.turn = turn
 
     async def _cancel_turn(self) -> None:
-        if self.turn and self.turn.task and not self.turn.task.done():
-            self.turn.task.cancel()
-            await asyncio.gather(self.turn.task, return_exceptions=True)
+        turn = self.turn
+        if turn and turn.task and not turn.task.done():
+            turn.task.cancel()
+            await asyncio.gather(turn.task, return_exceptions=True)
+            if not turn.reported:  # cancelled before it ran a line: it still gets its report
+                turn.finish_reason = "cancelled"
+                self._put_report(turn)
 
     async def _run_turn(self, turn: Turn) -> None:
         stubs, session_id = self.servicer.stubs, self.start.session_id
@@ -221,7 +226,7 @@ class Conversation:
             llm_call.cancel()
             tts_call.cancel()
             turn.clock.emitted()
-            self.events.put_nowait(pb.ServerEvent(turn_id=turn.turn_id, report=self._report(turn)))
+            self._put_report(turn)
 
     async def _pump_reply(self, turn: Turn, call) -> None:
         async for step in call:
@@ -254,6 +259,10 @@ class Conversation:
         await turn.confirmed.wait()  # an early turn speaks only once the final confirms it
         turn.clock.emitted()
         await self.events.put(pb.ServerEvent(turn_id=turn.turn_id, **event))
+
+    def _put_report(self, turn: Turn) -> None:
+        turn.reported = True
+        self.events.put_nowait(pb.ServerEvent(turn_id=turn.turn_id, report=self._report(turn)))
 
     def _report(self, turn: Turn) -> pb.TurnReport:
         return pb.TurnReport(
