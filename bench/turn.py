@@ -63,6 +63,7 @@ def _row(question: str, report: dict) -> dict:
         "tts_first_audio_ms": rel["tts"]["first_out"],
         "reply_audio_s": report["reply_audio_s"],
         "finish_reason": report["finish_reason"],
+        "preemption": report["preemption"],
     }
 
 
