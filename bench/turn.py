@@ -40,7 +40,7 @@ def run(settings, turns: int, json_path: str | None) -> int:
         _wait_ready(up, work / "up.log")
         for text, wav in wavs:
             results = asyncio.run(converse(settings.address("gateway"), wav, ClientOptions()))
-            rows += [_row(text, r.report) for r in results if r.report]
+            rows += [_row(text, r.report) for r in results if r.report and r.report["preemption"] != "dropped"]
             print(f"  {len(rows)}/{len(wavs)} turns", flush=True)
     finally:
         up.send_signal(2)
@@ -63,6 +63,7 @@ def _row(question: str, report: dict) -> dict:
         "tts_first_audio_ms": rel["tts"]["first_out"],
         "reply_audio_s": report["reply_audio_s"],
         "finish_reason": report["finish_reason"],
+        "preemption": report["preemption"],
     }
 
 

@@ -1,8 +1,10 @@
 """Speech recognition for a live turn: Silero VAD endpointing plus faster-whisper.
 
-`UtteranceSegmenter` watches a growing 16 kHz stream and closes an utterance once
-`end_of_speech_silence_ms` of silence follows speech; `Transcriber` turns a closed
-utterance into text and word timings in the stream's timeline.
+`UtteranceSegmenter` watches a growing 16 kHz stream: speech has started once
+`speech_start_ms` of it is heard, and an utterance closes once `end_of_speech_silence_ms`
+of silence follows it. `Transcriber` turns an utterance (closed, or still open for a
+partial result) into text and word timings in the stream's timeline. `pipeline.asr_stream`
+puts the two together into partial and final transcripts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,11 @@ import numpy as np
 from pipeline.models import not_found_offline, resolve_asr
 
 SAMPLE_RATE_HZ = 16_000  # what Whisper and Silero VAD expect
+VAD_FRAME_MS = 32  # Silero's window: 512 samples at 16 kHz
+MAX_TOKENS_PER_S = 10  # fast speech is ~4 words/s; more tokens than this is a repetition loop
+# Whisper fed a cut-off utterance sometimes loops ("tell me about the tell me about the"); no
+# 5-token sequence may repeat within one pass (speech rarely repeats 4 words in an utterance).
+NO_REPEAT_NGRAM_TOKENS = 5
 
 
 @dataclass(frozen=True)
@@ -26,11 +33,17 @@ class AsrOptions:
     language: str = "en"
     beam_size: int = 1
     vad_threshold: float = 0.5
-    end_of_speech_silence_ms: int = 400
-    min_speech_ms: int = 200
+    speech_start_ms: int = 200  # speech heard for this long starts an utterance (shorter blips are ignored)
+    end_of_speech_silence_ms: int = 400  # silence after speech for this long closes the utterance
     vad_check_every_ms: int = 100
+    partial_every_ms: int = 200  # re-transcribe the open utterance after this much new audio
+    agreement_n: int = 2  # LocalAgreement-n: hypotheses that must agree before a word is committed
+    final_reuse_margin_ms: int = 200  # a partial pass that heard this much silence after the speech is the final
     transcribe_pad_ms: int = 300  # audio kept either side of the detected speech
     max_utterance_s: float = 25.0  # forced close: Whisper sees at most 30 s
+    # Encode only the audio (plus 1-2 s of padding) instead of Whisper's whole 30 s window:
+    # the encoder's cost falls with it (see TrimmedWhisper). False: stock faster-whisper.
+    trim_encoder_input: bool = True
     offline: bool = True  # a model named by hub id must already be in the local cache
 
 
@@ -68,15 +81,23 @@ class UtteranceSegmenter:
         self.options = options
         self._vad = VadOptions(
             threshold=options.vad_threshold,
-            min_speech_duration_ms=options.min_speech_ms,
+            min_speech_duration_ms=options.speech_start_ms,
             min_silence_duration_ms=options.end_of_speech_silence_ms,
             speech_pad_ms=0,
         )
+        self._tail_vad = VadOptions(threshold=options.vad_threshold, min_speech_duration_ms=0,
+                                    min_silence_duration_ms=VAD_FRAME_MS, speech_pad_ms=0)
         self._buffer = np.zeros(0, np.float32)
         self._buffer_start = 0  # sample index of _buffer[0] in the stream
         self._unchecked = 0
         self._index = 0
+        self._open: list[dict] = []  # Silero spans of the utterance still open, in buffer samples
         self.speech_active = False
+
+    @property
+    def silence_after_s(self) -> float:
+        """Silence heard since the open utterance's last speech (0 when none is open)."""
+        return (self._buffer.size - self._open[-1]["end"]) / SAMPLE_RATE_HZ if self._open else 0.0
 
     @property
     def stream_s(self) -> float:
@@ -94,21 +115,64 @@ class UtteranceSegmenter:
         """The stream ended: whatever speech is open closes now."""
         return self._scan(final=True)
 
+    def open_utterance(self) -> Utterance | None:
+        """The utterance still being spoken, as heard so far (for partial results)."""
+        if not self._open:
+            return None
+        start = self._open[0]["start"]
+        lo = max(0, start - self.options.transcribe_pad_ms * SAMPLE_RATE_HZ // 1000)
+        return Utterance(
+            index=self._index,
+            speech_start_s=(self._buffer_start + start) / SAMPLE_RATE_HZ,
+            speech_end_s=(self._buffer_start + self._open[-1]["end"]) / SAMPLE_RATE_HZ,
+            audio=self._buffer[lo:].copy(),
+            audio_start_s=(self._buffer_start + lo) / SAMPLE_RATE_HZ,
+        )
+
     def _scan(self, final: bool) -> list[Utterance]:
+        """Close every utterance that silence (or the stream's end) has ended.
+
+        Silero merges speech separated by less than `end_of_speech_silence_ms`, so
+        each span but the last is a whole utterance already.
+        """
         from faster_whisper.vad import get_speech_timestamps
 
         spans = get_speech_timestamps(self._buffer, self._vad)
         if not spans:
-            self.speech_active = False
+            self._open, self.speech_active = [], False
             self._forget_silence()
             return []
-        self.speech_active = True
-        silence_after = self._buffer.size - spans[-1]["end"]
         needed = self.options.end_of_speech_silence_ms * SAMPLE_RATE_HZ // 1000
-        too_long = spans[-1]["end"] - spans[0]["start"] >= self.options.max_utterance_s * SAMPLE_RATE_HZ
-        if final or silence_after >= needed or too_long:
-            return [self._close(spans[0]["start"], spans[-1]["end"])]
-        return []
+        longest = self.options.max_utterance_s * SAMPLE_RATE_HZ
+        closed = []
+        while spans:
+            silence_after = self._buffer.size - spans[-1]["end"]
+            too_long = spans[-1]["end"] - spans[0]["start"] >= longest
+            if len(spans) > 1:
+                first = spans.pop(0)
+            elif final or silence_after >= needed or too_long:
+                first = spans.pop(0)
+            else:
+                break
+            closed.append(self._close(first["start"], first["end"]))
+            spans = [{"start": s["start"] - first["end"], "end": s["end"] - first["end"]} for s in spans]
+        self._open, self.speech_active = spans, bool(spans)
+        if spans:
+            spans[-1]["end"] = self._last_speech_end(spans[-1])
+        return closed
+
+    def _last_speech_end(self, span: dict) -> int:
+        """Where the open utterance's speech really stopped, in buffer samples.
+
+        Silero reports an open span as running to the end of the buffer until the full
+        `end_of_speech_silence_ms` has passed; a second look at the last second, with a
+        short silence window, finds the end of speech as soon as it is heard.
+        """
+        from faster_whisper.vad import get_speech_timestamps
+
+        tail_start = max(span["start"], self._buffer.size - SAMPLE_RATE_HZ)
+        tail = get_speech_timestamps(self._buffer[tail_start:], self._tail_vad)
+        return tail_start + tail[-1]["end"] if tail else span["start"] + 1
 
     def _close(self, start: int, end: int) -> Utterance:
         pad = self.options.transcribe_pad_ms * SAMPLE_RATE_HZ // 1000
@@ -121,7 +185,6 @@ class UtteranceSegmenter:
             audio_start_s=(self._buffer_start + lo) / SAMPLE_RATE_HZ,
         )
         self._index += 1
-        self.speech_active = False
         self._buffer_start += end
         self._buffer = self._buffer[end:]
         return utterance
@@ -139,11 +202,10 @@ class Transcriber:
     """faster-whisper on a closed utterance; blocking, so services run it in a thread."""
 
     def __init__(self, options: AsrOptions) -> None:
-        from faster_whisper import WhisperModel
-
         self.options = options
+        model_class = trimmed_whisper_class() if options.trim_encoder_input else _whisper_class()
         try:
-            self.model = WhisperModel(
+            self.model = model_class(
                 resolve_asr(options.model),
                 device=options.device,
                 compute_type=options.compute_type,
@@ -168,10 +230,51 @@ class Transcriber:
             word_timestamps=True,
             condition_on_previous_text=False,
             vad_filter=False,
+            # One greedy pass: no re-decoding at higher temperatures (a cut-off partial
+            # would trigger it, 6 passes for one result), and no runaway repetition.
+            temperature=0.0,
+            max_new_tokens=MAX_TOKENS_PER_S * (1 + int(utterance.audio.size / SAMPLE_RATE_HZ)),
+            no_repeat_ngram_size=NO_REPEAT_NGRAM_TOKENS,
         )
         words = tuple(_shift_words(segments, utterance.audio_start_s))
         text = "".join(w.text for w in words).strip()
         return Transcript(text=text, words=words)
+
+
+def _whisper_class() -> type:
+    from faster_whisper import WhisperModel
+
+    return WhisperModel
+
+
+# 10 s of mel frames (10 ms each): the least the encoder is given. 3 s was faster still
+# (~125 ms a pass against ~165 ms) but made whisper loop ("Thank you. Thank you") more often.
+ENCODER_MIN_FRAMES = 1000
+ENCODER_PAD_FRAMES = 100  # silence kept after the audio, so the decoder sees where it ends
+
+
+def trimmed_whisper_class() -> type:
+    """faster-whisper with the encoder's input cut to the audio's own length.
+
+    faster-whisper pads every segment's log-mel features with zero frames to 30 s, and the
+    encoder's time grows with its input: on 2 CPU cores whisper tiny.en encodes 30 s in
+    ~470 ms and 10 s in ~50 ms. For a few seconds of speech nearly all of that is padding,
+    paid again on every partial pass. This keeps the audio's frames plus 1-2 s of the
+    padding, and at least 10 s. Whisper was trained on 30 s windows, so this is a trade: on the
+    `specvox bench asr` set word error rates stayed within a word or two of stock
+    (docs/benchmarks.md); set `asr.trim_encoder_input=false` for stock behaviour.
+    """
+    from faster_whisper import WhisperModel
+
+    class TrimmedWhisper(WhisperModel):
+        def encode(self, features: np.ndarray):
+            batch = features if features.ndim == 3 else features[None]  # [B, 80 mels, frames]
+            audio_frames = np.flatnonzero(np.any(batch != 0, axis=(0, 1)))  # padding frames are exactly 0
+            used = audio_frames[-1] + 1 if audio_frames.size else 0
+            keep = max(ENCODER_MIN_FRAMES, -(-used // ENCODER_PAD_FRAMES) * ENCODER_PAD_FRAMES + ENCODER_PAD_FRAMES)
+            return super().encode(np.ascontiguousarray(batch[..., : min(keep, batch.shape[-1])]))
+
+    return TrimmedWhisper
 
 
 def _shift_words(segments: Iterator, offset_s: float) -> Iterator[Word]:

@@ -1,9 +1,10 @@
-"""Caption cues in the reply's timeline, written as WebVTT with webvtt-py."""
+"""Caption cues, written as WebVTT with webvtt-py: the reply's phrases, and the user's words from their timings."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import webvtt
 
@@ -40,3 +41,26 @@ def webvtt_document(cues: Iterable[Cue]) -> str:
 def webvtt_block(cue: Cue) -> str:
     caption = to_webvtt_caption(cue)
     return f"{caption.start} --> {caption.end}\n{caption.text}\n"
+
+
+class TimedWord(Protocol):
+    text: str
+    start_s: float
+    end_s: float
+
+
+def cues_from_words(words: Iterable[TimedWord], max_chars: int = 42, max_pause_s: float = 0.7) -> list[Cue]:
+    """Caption cues for spoken words: a new cue at a long pause or when a line would pass `max_chars`."""
+    cues: list[Cue] = []
+    line: list[TimedWord] = []
+    for word in words:
+        text = " ".join(w.text.strip() for w in [*line, word])
+        if line and (len(text) > max_chars or word.start_s - line[-1].end_s > max_pause_s):
+            cues.append(_cue(line))
+            line = []
+        line.append(word)
+    return cues + ([_cue(line)] if line else [])
+
+
+def _cue(words: list[TimedWord]) -> Cue:
+    return Cue(words[0].start_s, max(words[-1].end_s, words[0].start_s), " ".join(w.text.strip() for w in words))

@@ -1,13 +1,15 @@
-"""The asr gRPC service: a stream of audio in, speech-start and final transcripts out."""
+"""The asr gRPC service: a stream of audio in; speech-start, partial and final transcripts out."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
 
-from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber, Utterance, UtteranceSegmenter
+from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber
+from pipeline.asr_stream import AsrEvent, PartialTranscript, SpeechStarted, StreamingRecognizer, join_words
 from pipeline.audio import AudioStreamReader, PcmFormat, PcmStreamDecoder
 from services.grpc_server import ModelWorker, StageClock, serve, status_on_error
 from services.protos import load
@@ -17,6 +19,7 @@ from services.settings import Settings
 
 pb, pb_grpc = load("asr")
 Kind = pb.TranscriptEvent.Kind
+END = object()
 
 
 class WireAudioDecoder:
@@ -54,42 +57,74 @@ class AsrServicer(pb_grpc.AsrServicer):
             config = await _first_config(request_iterator)
             await self.sessions.require(config.session_id)
             decoder = WireAudioDecoder(config.format)
-            segmenter = UtteranceSegmenter(self.options)
+            recognizer = StreamingRecognizer(self.options, self.transcriber)
             yield pb.TranscriptEvent(kind=Kind.READY, emitted_unix_ms=now_ms())
-            async for request in request_iterator:
-                if request.WhichOneof("payload") != "audio":
-                    raise ValueError("only audio may follow the stream's config message")
-                clock.received()
-                was_active = segmenter.speech_active
-                closed = await self.worker.call(segmenter.feed, decoder.feed(request.audio))
-                if segmenter.speech_active and not was_active:
-                    yield self._event(clock, Kind.SPEECH_STARTED, segmenter.stream_s)
-                for utterance in closed:
-                    yield await self._final(clock, utterance)
-            tail = decoder.finish()
-            closed = await self.worker.call(segmenter.feed, tail)
-            closed += await self.worker.call(segmenter.finish)
-            for utterance in closed:
-                yield await self._final(clock, utterance)
+            chunks: asyncio.Queue = asyncio.Queue()
+            reader = asyncio.create_task(_read_audio(request_iterator, chunks, clock))
+            try:
+                ended = False
+                while not ended:
+                    audio, ended = await _take_all(chunks)
+                    for event in await self.worker.call(recognizer.feed, decoder.feed(audio)):
+                        yield _event(clock, event)
+                tail = decoder.finish()
+                events = await self.worker.call(recognizer.feed, tail)
+                events += await self.worker.call(recognizer.finish)
+                for event in events:
+                    yield _event(clock, event)
+            finally:
+                reader.cancel()
 
-    def _event(self, clock: StageClock, kind: int, at_s: float) -> pb.TranscriptEvent:
-        clock.emitted()
-        return pb.TranscriptEvent(kind=kind, speech_start_s=at_s, emitted_unix_ms=now_ms())
 
-    async def _final(self, clock: StageClock, utterance: Utterance) -> pb.TranscriptEvent:
-        transcript = await self.worker.call(self.transcriber.transcribe, utterance)
-        clock.emitted()
+async def _read_audio(request_iterator, chunks: asyncio.Queue, clock: StageClock) -> None:
+    """Client audio → queue, so that audio arriving during a transcription pass is taken in one go."""
+    try:
+        async for request in request_iterator:
+            if request.WhichOneof("payload") != "audio":
+                raise ValueError("only audio may follow the stream's config message")
+            clock.received()
+            chunks.put_nowait(request.audio)
+        chunks.put_nowait(END)
+    except Exception as e:  # noqa: BLE001 - raised again where the stream is answered
+        chunks.put_nowait(e)
+
+
+async def _take_all(chunks: asyncio.Queue) -> tuple[bytes, bool]:
+    """Everything queued (waiting for at least one item); True once the client's stream ended."""
+    items = [await chunks.get()]
+    while not chunks.empty():
+        items.append(chunks.get_nowait())
+    for item in items:
+        if isinstance(item, Exception):
+            raise item
+    return b"".join(i for i in items if i is not END), END in items
+
+
+def _event(clock: StageClock, event: AsrEvent) -> pb.TranscriptEvent:
+    clock.emitted()
+    if isinstance(event, SpeechStarted):
+        return pb.TranscriptEvent(kind=Kind.SPEECH_STARTED, speech_start_s=event.heard_s,
+                                  utterance_index=event.utterance_index, heard_s=event.heard_s,
+                                  emitted_unix_ms=now_ms())
+    if isinstance(event, PartialTranscript):
         return pb.TranscriptEvent(
-            kind=Kind.FINAL,
-            text=transcript.text,
-            words=[pb.Word(text=w.text, start_s=w.start_s, end_s=w.end_s, probability=w.probability)
-                   for w in transcript.words],
-            speech_start_s=utterance.speech_start_s,
-            speech_end_s=utterance.speech_end_s,
-            utterance_index=utterance.index,
-            emitted_unix_ms=now_ms(),
-            times=clock.to_proto(pb.StageTimes),
+            kind=Kind.PARTIAL, text=event.text, words=_words((*event.committed, *event.tentative)),
+            committed_text=join_words(event.committed), tentative_text=join_words(event.tentative),
+            stability=event.stability, committed_words=len(event.committed), speech_ending=event.speech_ending,
+            speech_start_s=event.speech_start_s, speech_end_s=event.speech_end_s,
+            utterance_index=event.utterance_index, heard_s=event.heard_s, emitted_unix_ms=now_ms(),
         )
+    utterance = event.utterance
+    return pb.TranscriptEvent(
+        kind=Kind.FINAL, text=event.text, words=_words(event.words), committed_text=event.text,
+        stability=1.0, committed_words=len(event.words),
+        speech_start_s=utterance.speech_start_s, speech_end_s=utterance.speech_end_s,
+        utterance_index=utterance.index, emitted_unix_ms=now_ms(), times=clock.to_proto(pb.StageTimes),
+    )
+
+
+def _words(words) -> list[pb.Word]:
+    return [pb.Word(text=w.text, start_s=w.start_s, end_s=w.end_s, probability=w.probability) for w in words]
 
 
 async def _first_config(request_iterator) -> pb.StreamConfig:

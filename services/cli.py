@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", help="float32, bfloat16, float16 or float64 (default: llm.dtype)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
-    bench.add_argument("what", choices=["turn", "spec"])
-    bench.add_argument("--turns", type=int, default=8, help="turn: spoken turns (dialogue prompts)")
+    bench.add_argument("what", choices=["turn", "asr", "spec"])
+    bench.add_argument("--turns", type=int, default=8, help="turn, asr: spoken turns, or sentences per voice")
     bench.add_argument("--limit", type=int, default=16, help="spec: prompts per set")
     bench.add_argument("--max-new-tokens", type=int, default=128, help="spec: tokens per prompt")
     bench.add_argument("--json", dest="json_path", help="write the rows here")
@@ -70,9 +70,9 @@ def main(argv: list[str] | None = None) -> int:
             from bench import spec
 
             return spec.run(settings, args.limit, args.max_new_tokens, args.json_path)
-        from bench import turn
+        import importlib
 
-        return turn.run(settings, args.turns, args.json_path)
+        return importlib.import_module(f"bench.{args.what}").run(settings, args.turns, args.json_path)
     if args.command == "demo":
         from services.demo import run_demo
 

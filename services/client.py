@@ -45,6 +45,9 @@ class TurnResult:
     cues: list[Cue] = field(default_factory=list)
     first_audio_unix_ms: int = 0
     report: dict = field(default_factory=dict)
+    utterance_index: int = -1
+    user_cues: list[Cue] = field(default_factory=list)  # the user's words, in the input's timeline
+    partials: list = field(default_factory=list)  # gateway Transcript messages before the final
 
     def reply_pcm(self) -> bytes:
         """The reply's audio laid out on its timeline."""
@@ -84,13 +87,20 @@ async def converse(address: str, wav_path: str, options: ClientOptions = ClientO
                 yield pb.ClientMessage(audio=pcm[offset : offset + chunk_bytes])
 
         turns: dict[str, TurnResult] = {}
+        partials: list = []  # the user's words while they spoke (not part of any turn)
         async for event in stub.Converse(messages()):
             if event.WhichOneof("event") == "ready":
                 ready.set()
                 continue
+            if event.WhichOneof("event") == "transcript" and not event.transcript.is_final:
+                partials.append(event.transcript)
+                continue
             turn = turns.setdefault(event.turn_id, TurnResult(turn_id=event.turn_id))
             _record(turn, event, started)
-        return list(turns.values())
+        results = list(turns.values())
+        for turn in results:
+            turn.partials = [p for p in partials if p.utterance_index == turn.utterance_index]
+        return results
 
 
 def _record(turn: TurnResult, event: pb.ServerEvent, started_unix_s: float) -> None:
@@ -99,6 +109,8 @@ def _record(turn: TurnResult, event: pb.ServerEvent, started_unix_s: float) -> N
         t = event.transcript
         turn.transcript, turn.speech_end_s = t.text, t.speech_end_s
         turn.words = [{"text": w.text, "start_s": w.start_s, "end_s": w.end_s} for w in t.words]
+        turn.utterance_index = t.utterance_index
+        turn.user_cues = [Cue(c.start_s, c.end_s, c.text) for c in t.cues]
     elif kind == "reply_text":
         turn.reply_text += event.reply_text.text_delta
     elif kind == "audio":
@@ -131,6 +143,7 @@ def report_dict(turn: TurnResult, report: pb.TurnReport, started_unix_s: float) 
         "transcript": report.transcript,
         "reply_text": report.reply_text,
         "finish_reason": report.finish_reason,
+        "preemption": report.preemption,
         "speech_end_s": round(report.speech_end_s, 3),
         "voice_to_voice_ms": round(turn.first_audio_unix_ms - speech_end_ms) if turn.first_audio_unix_ms else None,
         "budget_ms": report.budget_ms,
@@ -140,7 +153,7 @@ def report_dict(turn: TurnResult, report: pb.TurnReport, started_unix_s: float) 
 
 
 def write_outputs(turns: list[TurnResult], out_dir: str) -> dict:
-    """reply.wav, captions.vtt and report.json for the conversation's last complete turn."""
+    """reply.wav, captions.vtt, user_captions.vtt and report.json for the conversation's last complete turn."""
     done = [t for t in turns if t.report]
     if not done:
         raise RuntimeError("the gateway finished no turn: was there speech in the audio?")
@@ -149,5 +162,6 @@ def write_outputs(turns: list[TurnResult], out_dir: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "reply.wav").write_bytes(wav_bytes(turn.reply_pcm(), turn.sample_rate_hz))
     (out / "captions.vtt").write_text(webvtt_document(turn.cues))
+    (out / "user_captions.vtt").write_text(webvtt_document(turn.user_cues))
     (out / "report.json").write_text(json.dumps(turn.report, indent=2) + "\n")
     return turn.report

@@ -4,6 +4,11 @@ One `Converse` stream is one conversation: the client's audio goes to asr; each
 final transcript starts a turn, whose reply is written by llm (to the turn's Redis
 stream) and spoken by tts (from that stream) at the same time. Speech from the
 user while a turn runs cancels it (barge-in).
+
+Preemptive generation (`preemptive_generation`, on by default): a partial whose words
+are all committed and after which silence has begun starts the turn before the final
+arrives. The turn's output is held back until the final confirms it: the same text
+(normalised) keeps the turn, any other text cancels it and starts a new one.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pipeline.asr_stream import normalised_text
 from pipeline.audio import AudioStreamReader, PcmFormat
-from pipeline.captions import Cue, webvtt_block
+from pipeline.captions import Cue, cues_from_words, webvtt_block
 from services.grpc_server import StageClock, message_options, serve, status_on_error
 from services.protos import load
 from services.redis_store import now_ms
@@ -73,6 +79,20 @@ class Turn:
     error: str = ""
     first_audio_sent_unix_ms: int = 0
     stage_times: list = field(default_factory=list)
+    preemption: str = ""  # "", or "kept" / "dropped" for a turn started from a partial
+    confirmed: asyncio.Event = field(default_factory=asyncio.Event)  # its output may go out
+    task: asyncio.Task | None = None
+    reported: bool = False
+
+    @property
+    def awaiting_final(self) -> bool:
+        return not self.confirmed.is_set() and self.task is not None and not self.task.done()
+
+
+@dataclass
+class PreemptionCounts:
+    kept: int = 0  # the final said what the turn was started from
+    dropped: int = 0  # it did not: the early turn was cancelled
 
 
 class Conversation:
@@ -83,7 +103,8 @@ class Conversation:
         self.start = start
         self.arrivals = AudioArrivalClock(start.format)
         self.events: asyncio.Queue = asyncio.Queue()
-        self.turn_task: asyncio.Task | None = None
+        self.turn: Turn | None = None
+        self.preemptions = PreemptionCounts()
         self._input_error: Exception | None = None
 
     async def run(self, client_messages: AsyncIterator) -> None:
@@ -99,8 +120,8 @@ class Conversation:
                 raise
             finally:
                 forward.cancel()
-            if self.turn_task:
-                await self.turn_task
+            if self.turn and self.turn.task:
+                await self.turn.task
             await self.events.put(END)
         except BaseException as e:  # delivered to the client's stream by Converse
             await self.events.put(e)
@@ -128,26 +149,63 @@ class Conversation:
             pass  # asr already ended the call; its status reaches run()
 
     async def _on_transcript(self, event: asr_pb.TranscriptEvent) -> None:
-        if event.kind == asr_pb.TranscriptEvent.SPEECH_STARTED:
+        kind = event.kind
+        if kind == asr_pb.TranscriptEvent.SPEECH_STARTED:
             await self._cancel_turn()  # barge-in
-            return
-        if event.kind != asr_pb.TranscriptEvent.FINAL or not event.text.strip():
-            return
+        elif kind == asr_pb.TranscriptEvent.PARTIAL:
+            await self.events.put(pb.ServerEvent(transcript=_transcript(event, final=False)))
+            if self._may_preempt(event):
+                await self._start_turn(event, preemptive=True)
+        elif kind == asr_pb.TranscriptEvent.FINAL:
+            await self._on_final(event)
+
+    def _may_preempt(self, partial: asr_pb.TranscriptEvent) -> bool:
+        """Every word committed, silence begun, and no early turn for this utterance yet."""
+        if not (self.servicer.settings.preemptive_generation and partial.speech_ending):
+            return False
+        if partial.tentative_text.strip() or not partial.committed_text.strip():
+            return False
+        return not (self.turn and self.turn.awaiting_final)
+
+    async def _on_final(self, event: asr_pb.TranscriptEvent) -> None:
+        turn = self.turn
+        if turn and turn.awaiting_final and turn.transcript.utterance_index == event.utterance_index:
+            if event.text.strip() and normalised_text(event.text) == normalised_text(turn.transcript.text):
+                self.preemptions.kept += 1
+                turn.preemption, turn.transcript = "kept", event
+                turn.speech_end_unix_ms = self.arrivals.arrival_ms(event.speech_end_s)
+                turn.stage_times.append(_stage(event.times))
+                turn.clock.emitted()  # the final first, then the output held back for it
+                await self.events.put(pb.ServerEvent(turn_id=turn.turn_id, transcript=_transcript(event, final=True)))
+                turn.confirmed.set()
+                return
+            self.preemptions.dropped += 1
+            turn.preemption = "dropped"
+        if event.text.strip():
+            await self._start_turn(event, preemptive=False)
+        else:
+            await self._cancel_turn()
+
+    async def _start_turn(self, event: asr_pb.TranscriptEvent, preemptive: bool) -> None:
         await self._cancel_turn()
         turn_id = await self.servicer.redis.turns.create(self.start.session_id)
         turn = Turn(turn_id, event, self.arrivals.arrival_ms(event.speech_end_s))
         turn.clock.received()
-        turn.stage_times.append(_stage(event.times))
-        await self._send(turn, transcript=pb.Transcript(
-            is_final=True, text=event.text, speech_start_s=event.speech_start_s, speech_end_s=event.speech_end_s,
-            words=[pb.Word(text=w.text, start_s=w.start_s, end_s=w.end_s) for w in event.words],
-        ))
-        self.turn_task = asyncio.create_task(self._run_turn(turn))
+        if not preemptive:
+            turn.stage_times.append(_stage(event.times))
+            turn.confirmed.set()
+            await self._send(turn, transcript=_transcript(event, final=True))
+        turn.task = asyncio.create_task(self._run_turn(turn))
+        self.turn = turn
 
     async def _cancel_turn(self) -> None:
-        if self.turn_task and not self.turn_task.done():
-            self.turn_task.cancel()
-            await asyncio.gather(self.turn_task, return_exceptions=True)
+        turn = self.turn
+        if turn and turn.task and not turn.task.done():
+            turn.task.cancel()
+            await asyncio.gather(turn.task, return_exceptions=True)
+            if not turn.reported:  # cancelled before it ran a line: it still gets its report
+                turn.finish_reason = "cancelled"
+                self._put_report(turn)
 
     async def _run_turn(self, turn: Turn) -> None:
         stubs, session_id = self.servicer.stubs, self.start.session_id
@@ -168,7 +226,7 @@ class Conversation:
             llm_call.cancel()
             tts_call.cancel()
             turn.clock.emitted()
-            self.events.put_nowait(pb.ServerEvent(turn_id=turn.turn_id, report=self._report(turn)))
+            self._put_report(turn)
 
     async def _pump_reply(self, turn: Turn, call) -> None:
         async for step in call:
@@ -184,6 +242,7 @@ class Conversation:
         async for event in call:
             kind = event.WhichOneof("event")
             if kind == "audio":
+                await turn.confirmed.wait()
                 turn.first_audio_sent_unix_ms = turn.first_audio_sent_unix_ms or now_ms()
                 a = event.audio
                 await self._send(turn, audio=pb.AudioChunk(
@@ -197,8 +256,13 @@ class Conversation:
                 turn.stage_times.append(_stage(event.times))
 
     async def _send(self, turn: Turn, **event) -> None:
+        await turn.confirmed.wait()  # an early turn speaks only once the final confirms it
         turn.clock.emitted()
         await self.events.put(pb.ServerEvent(turn_id=turn.turn_id, **event))
+
+    def _put_report(self, turn: Turn) -> None:
+        turn.reported = True
+        self.events.put_nowait(pb.ServerEvent(turn_id=turn.turn_id, report=self._report(turn)))
 
     def _report(self, turn: Turn) -> pb.TurnReport:
         return pb.TurnReport(
@@ -211,7 +275,22 @@ class Conversation:
             budget_ms=self.servicer.settings.turn_budget_ms,
             finish_reason=turn.finish_reason,
             error=turn.error,
+            preemption=turn.preemption,
+            preemptions_kept=self.preemptions.kept,
+            preemptions_dropped=self.preemptions.dropped,
         )
+
+
+def _transcript(event: asr_pb.TranscriptEvent, final: bool) -> pb.Transcript:
+    words = [pb.Word(text=w.text, start_s=w.start_s, end_s=w.end_s) for w in event.words]
+    cues = [pb.CaptionCue(start_s=c.start_s, end_s=c.end_s, text=c.text, webvtt=webvtt_block(c))
+            for c in cues_from_words(event.words)] if final else []
+    return pb.Transcript(
+        is_final=final, text=event.text, words=words, speech_start_s=event.speech_start_s,
+        speech_end_s=event.speech_end_s, committed_text=event.committed_text,
+        tentative_text=event.tentative_text, stability=event.stability,
+        utterance_index=event.utterance_index, cues=cues,
+    )
 
 
 def _stage(times) -> pb.StageTimes:
@@ -225,6 +304,7 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         self.settings = settings
         self.redis = redis
         self.stubs = stubs
+        self.preemptions = PreemptionCounts()  # over all conversations, since the server started
 
     async def CreateSession(self, request, context: grpc.aio.ServicerContext):
         async with status_on_error(context, "gateway"):
@@ -247,6 +327,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             finally:
                 runner.cancel()
                 await conversation._cancel_turn()
+                self.preemptions.kept += conversation.preemptions.kept
+                self.preemptions.dropped += conversation.preemptions.dropped
 
 
 async def _first_start(request_iterator) -> pb.StreamStart:

@@ -38,6 +38,8 @@ class Settings(BaseSettings):
     token_stream_ttl_s: int = 3600
     session_ttl_s: int = 24 * 3600
     token_timeout_s: float = 30.0
+    # Start a turn from a stable partial before the final; dropped if the final differs.
+    preemptive_generation: bool = True
 
     asr: AsrOptions = AsrOptions()
     llm: LlmOptions = LlmOptions()

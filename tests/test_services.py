@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import wave
+from itertools import pairwise
 
 import grpc
 import jiwer
@@ -78,6 +79,18 @@ async def test_a_spoken_turn_round_trips(stack, speech, tmp_path):
     assert starts == sorted(starts) and len(set(starts)) == len(starts)
     assert all(c.start_in_seconds < c.end_in_seconds <= audio_s + 0.01 for c in cues)
     assert normalise(" ".join(c.text for c in cues)) == normalise(report["reply_text"])
+
+    # The user's words: partials while speaking, committed words never taken back, then the final.
+    turn = next(t for t in turns if t.report is report)
+    assert turn.partials, "no partial transcripts"
+    committed = [normalise(p.committed_text).split() for p in turn.partials] + [normalise(turn.transcript).split()]
+    assert all(later[: len(earlier)] == earlier for earlier, later in pairwise(committed)), committed
+    assert all(0.0 <= p.stability <= 1.0 for p in turn.partials)
+    assert report["preemption"] in ("", "kept")
+    user_cues = list(webvtt.read(str(tmp_path / "out" / "user_captions.vtt")))
+    assert normalise(" ".join(c.text for c in user_cues)) == normalise(report["transcript"])
+    spans = [(c.start_time.in_milliseconds() / 1000, c.end_time.in_milliseconds() / 1000) for c in user_cues]
+    assert all(0.0 < start < end <= report["speech_end_s"] + 0.5 for start, end in spans), (spans, report)
 
     assert report["voice_to_voice_ms"] > 0
     assert set(report["stages"]) == {"asr", "llm", "tts", "gateway"}

@@ -1,0 +1,214 @@
+"""Streaming recognition: partial transcripts that never take a word back, then a final one.
+
+The open utterance is re-transcribed as audio arrives. Which words to show as settled comes
+from LocalAgreement-n, after Macháček, Dabre and Bojar (2023), "Turning Whisper into
+Real-Time Transcription System" (IJCNLP-AACL system demonstrations, arXiv 2307.14743):
+
+- a *hypothesis* is the word sequence of one transcription pass over the open utterance;
+- a word is *committed* once n consecutive hypotheses agree on it: the committed words grow
+  by the longest common prefix of the last n hypotheses' words after those already
+  committed. Committed words are never taken back;
+- the rest of the newest hypothesis is *tentative*: shown, but it may still change.
+
+The final transcript at end of speech is the committed words plus the tentative words of
+one last hypothesis, so it extends, and never contradicts, what the partials committed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import takewhile
+
+import numpy as np
+
+from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber, Utterance, UtteranceSegmenter, Word
+
+# Whisper's word timings jitter; a word starting this early before the last committed
+# word's end is still taken as new (the paper uses the same 0.1 s slack).
+TIME_SLACK_S = 0.1
+# A hypothesis may repeat up to this many committed words at its head; they are dropped.
+MAX_OVERLAP_WORDS = 5
+# While the user speaks, words ending this close to the end of what a pass heard stay tentative.
+EDGE_GUARD_S = 0.3
+
+
+def norm_word(text: str) -> str:
+    """A word as hypotheses are compared: lower case, letters and digits only."""
+    return "".join(c for c in text.lower() if c.isalnum())
+
+
+def normalised_text(text: str) -> str:
+    """Text as two transcripts are compared (preemptive turns): words of `norm_word`."""
+    return " ".join(w for w in (norm_word(t) for t in text.split()) if w)
+
+
+def join_words(words: Sequence[Word]) -> str:
+    return "".join(w.text for w in words).strip()
+
+
+class LocalAgreement:
+    """LocalAgreement-n over word hypotheses of one utterance (see the module docstring)."""
+
+    def __init__(self, n: int = 2) -> None:
+        if n < 1:
+            raise ValueError("LocalAgreement needs n >= 1")
+        self.n = n
+        self.committed: list[Word] = []
+        self.tentative: list[Word] = []
+        self._recent: list[list[Word]] = []  # the last n-1 hypotheses, after the committed words
+
+    def update(self, hypothesis: Sequence[Word], settled_until_s: float = math.inf) -> list[Word]:
+        """Take one more hypothesis; returns the words it newly committed.
+
+        Only words ending by `settled_until_s` may be committed by this hypothesis (a word
+        cut off by the end of the audio a pass heard is often misheard, the same way twice).
+        """
+        history = [*self._recent, self.unseen(hypothesis)]
+        settled = list(takewhile(lambda w: w.end_s <= settled_until_s, history[-1]))
+        agreed = _common_prefix([*history[:-1], settled]) if len(history) >= self.n else []
+        self.committed += agreed
+        self._recent = [h[len(agreed):] for h in history][len(history) - (self.n - 1):] if self.n > 1 else []
+        self.tentative = history[-1][len(agreed):]
+        return agreed
+
+    def finish(self, hypothesis: Sequence[Word]) -> list[Word]:
+        """End of the utterance: committed words plus the rest of the last hypothesis; resets."""
+        words = [*self.committed, *self.unseen(hypothesis)]
+        self.committed, self.tentative, self._recent = [], [], []
+        return words
+
+    def unseen(self, hypothesis: Sequence[Word]) -> list[Word]:
+        """The words of a hypothesis that come after the committed ones."""
+        if not self.committed:
+            return list(hypothesis)
+        last_end_s = self.committed[-1].end_s
+        fresh = [w for w in hypothesis if w.start_s > last_end_s - TIME_SLACK_S]
+        # The paper's n-gram check: drop a head of `fresh` that repeats the committed tail.
+        for k in range(1, min(MAX_OVERLAP_WORDS, len(self.committed), len(fresh)) + 1):
+            if [norm_word(w.text) for w in self.committed[-k:]] == [norm_word(w.text) for w in fresh[:k]]:
+                return fresh[k:]
+        return fresh
+
+
+def _common_prefix(hypotheses: list[list[Word]]) -> list[Word]:
+    """The longest prefix all hypotheses share (compared by `norm_word`); words of the newest."""
+    newest = hypotheses[-1]
+    length = 0
+    while all(len(h) > length for h in hypotheses) and len({norm_word(h[length].text) for h in hypotheses}) == 1:
+        length += 1
+    return newest[:length]
+
+
+@dataclass(frozen=True)
+class SpeechStarted:
+    utterance_index: int
+    heard_s: float  # how much of the stream had been heard when speech was detected
+
+
+@dataclass(frozen=True)
+class PartialTranscript:
+    """The open utterance so far: `committed` words are final, `tentative` ones may change."""
+
+    utterance_index: int
+    committed: tuple[Word, ...]
+    tentative: tuple[Word, ...]
+    speech_start_s: float
+    speech_end_s: float  # the last speech the VAD has heard, in the stream's timeline
+    heard_s: float  # how much of the stream this pass heard
+    speech_ending: bool  # silence follows the speech: the final will likely say just this
+
+    @property
+    def text(self) -> str:
+        return join_words((*self.committed, *self.tentative))
+
+    @property
+    def stability(self) -> float:
+        """The committed share of the words, 0 to 1."""
+        total = len(self.committed) + len(self.tentative)
+        return len(self.committed) / total if total else 1.0
+
+
+@dataclass(frozen=True)
+class FinalTranscript:
+    utterance: Utterance
+    words: tuple[Word, ...]
+    reused_partial: bool  # the last partial pass had heard the end of speech: no new pass ran
+
+    @property
+    def text(self) -> str:
+        return join_words(self.words)
+
+
+AsrEvent = SpeechStarted | PartialTranscript | FinalTranscript
+
+
+class StreamingRecognizer:
+    """VAD, partial passes and LocalAgreement over one audio stream; blocking (a model thread).
+
+    A partial pass runs when `partial_every_ms` of new audio has arrived since the last
+    one, and once more when `final_reuse_margin_ms` of silence follows the speech. At end of
+    speech the final reuses that last pass if it heard the whole utterance, so the final
+    costs no transcription of its own.
+    """
+
+    def __init__(self, options: AsrOptions, transcriber: Transcriber) -> None:
+        self.options = options
+        self.transcriber = transcriber
+        self.segmenter = UtteranceSegmenter(options)
+        self.agreement = LocalAgreement(options.agreement_n)
+        self._pass_index = -1  # utterance of the last pass
+        self._pass_heard_s = 0.0
+        self._pass_words: tuple[Word, ...] = ()
+
+    def feed(self, samples: np.ndarray) -> list[AsrEvent]:
+        was_active = self.segmenter.speech_active
+        closed = self.segmenter.feed(samples)
+        events: list[AsrEvent] = []
+        open_utterance = self.segmenter.open_utterance()
+        if not was_active and closed:
+            events.append(SpeechStarted(closed[0].index, self.segmenter.stream_s))
+        events += [self._final(u) for u in closed]
+        if open_utterance is not None and (closed or not was_active):  # a new utterance has begun
+            events.append(SpeechStarted(open_utterance.index, self.segmenter.stream_s))
+        if open_utterance is not None and self._pass_due(open_utterance):
+            events.append(self._partial(open_utterance))
+        return events
+
+    def finish(self) -> list[AsrEvent]:
+        """The stream ended: the open utterance (if any) gets its final now."""
+        return [self._final(u) for u in self.segmenter.finish()]
+
+    def _pass_due(self, utterance: Utterance) -> bool:
+        heard_s = self.segmenter.stream_s
+        if self._pass_index != utterance.index:
+            return heard_s - utterance.speech_start_s >= self.options.partial_every_ms / 1000
+        if heard_s - self._pass_heard_s >= self.options.partial_every_ms / 1000:
+            return True
+        margin_s = self.options.final_reuse_margin_ms / 1000
+        return self.segmenter.silence_after_s >= margin_s > self._pass_heard_s - utterance.speech_end_s
+
+    def _partial(self, utterance: Utterance) -> PartialTranscript:
+        words = self.transcriber.transcribe(utterance).words
+        self._pass_index, self._pass_words = utterance.index, words
+        self._pass_heard_s = utterance.audio_start_s + utterance.audio.size / SAMPLE_RATE_HZ
+        ending = self._pass_heard_s - utterance.speech_end_s >= self.options.final_reuse_margin_ms / 1000
+        self.agreement.update(words, math.inf if ending else self._pass_heard_s - EDGE_GUARD_S)
+        return PartialTranscript(
+            utterance_index=utterance.index,
+            committed=tuple(self.agreement.committed),
+            tentative=tuple(self.agreement.tentative),
+            speech_start_s=utterance.speech_start_s,
+            speech_end_s=utterance.speech_end_s,
+            heard_s=self._pass_heard_s,
+            speech_ending=ending,
+        )
+
+    def _final(self, utterance: Utterance) -> FinalTranscript:
+        margin_s = self.options.final_reuse_margin_ms / 1000
+        reuse = self._pass_index == utterance.index and self._pass_heard_s >= utterance.speech_end_s + margin_s
+        words = self._pass_words if reuse else self.transcriber.transcribe(utterance).words
+        final = FinalTranscript(utterance, tuple(self.agreement.finish(words)), reused_partial=reuse)
+        self._pass_index, self._pass_words = -1, ()
+        return final

@@ -1,0 +1,187 @@
+"""Streaming recognition: LocalAgreement on given hypotheses, then partials and finals on real speech."""
+
+from __future__ import annotations
+
+import random
+from itertools import pairwise
+
+import jiwer
+import numpy as np
+import pytest
+
+from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber, Word
+from pipeline.asr_stream import (
+    FinalTranscript,
+    LocalAgreement,
+    PartialTranscript,
+    SpeechStarted,
+    StreamingRecognizer,
+    normalised_text,
+)
+from pipeline.audio import AudioFormatError, PcmFormat, PcmStreamDecoder
+from pipeline.captions import cues_from_words
+
+
+def words(text: str, start_s: float = 0.0, step_s: float = 0.3) -> list[Word]:
+    return [Word(f" {t}", start_s + i * step_s, start_s + i * step_s + 0.25, 0.9) for i, t in enumerate(text.split())]
+
+
+def texts(ws) -> list[str]:
+    return [w.text.strip() for w in ws]
+
+
+def test_a_word_is_committed_once_two_hypotheses_agree_and_never_taken_back():
+    agreement = LocalAgreement(n=2)
+    assert agreement.update(words("can you")) == []  # one hypothesis agrees with nothing yet
+    assert texts(agreement.tentative) == ["can", "you"]
+    assert texts(agreement.update(words("can you record"))) == ["can", "you"]
+    assert texts(agreement.tentative) == ["record"]
+    assert agreement.update(words("can you recommend a")) == []  # "record" was never agreed on
+    assert texts(agreement.update(words("Can you recommend a good book"))) == ["recommend", "a"]
+    # A pass that changes its mind about committed words cannot take them back.
+    agreement.update(words("can I recommend a good book for"))
+    assert texts(agreement.committed)[:4] == ["can", "you", "recommend", "a"]
+    final = agreement.finish(words("can you recommend a good book for a long train ride?"))
+    assert " ".join(texts(final)) == "can you recommend a good book for a long train ride?"
+    assert agreement.committed == [] and agreement.tentative == []  # ready for the next utterance
+
+
+def test_words_repeated_at_the_head_of_a_hypothesis_are_not_committed_twice():
+    agreement = LocalAgreement(n=2)
+    agreement.update(words("good morning"))
+    agreement.update(words("good morning"))
+    assert texts(agreement.committed) == ["good", "morning"]
+    # Timings jitter: "morning" now starts inside the committed "morning".
+    jittered = [Word(" good", 0.0, 0.25, 0.9), Word(" morning", 0.28, 0.55, 0.9), Word(" to", 0.6, 0.8, 0.9)]
+    assert texts(agreement.unseen(jittered)) == ["to"]
+
+
+def test_local_agreement_3_needs_three_hypotheses():
+    agreement = LocalAgreement(n=3)
+    assert agreement.update(words("one two")) == [] and agreement.update(words("one two")) == []
+    assert texts(agreement.update(words("one two three"))) == ["one", "two"]
+
+
+def test_committed_words_only_grow_under_random_hypotheses():
+    rng = random.Random(4)
+    vocabulary = "the a cat sat on mat hat bat".split()
+    for _ in range(50):
+        agreement = LocalAgreement(n=2)
+        truth = [rng.choice(vocabulary) for _ in range(12)]
+        before: list[Word] = []
+        for length in range(1, 13):
+            noisy = [w if rng.random() > 0.2 else rng.choice(vocabulary) for w in truth[:length]]
+            agreement.update(words(" ".join(noisy)))
+            assert agreement.committed[: len(before)] == before
+            before = list(agreement.committed)
+
+
+def test_normalised_text_ignores_case_and_punctuation():
+    assert normalised_text("What is the capital of France?") == normalised_text(" what is the Capital, of france")
+    assert normalised_text("Is it ten?") != normalised_text("Is it ten past?")
+
+
+@pytest.fixture(scope="module")
+def transcriber():
+    return Transcriber(AsrOptions())
+
+
+def stream(recognizer: StreamingRecognizer, audio: np.ndarray, chunk_s: float = 0.1) -> list:
+    step = int(chunk_s * SAMPLE_RATE_HZ)
+    events = []
+    for i in range(0, audio.size, step):
+        events += recognizer.feed(audio[i : i + step])
+    return events + recognizer.finish()
+
+
+def check_stream_invariants(events: list, audio_s: float) -> None:
+    """Committed words are never taken back, and every word lies inside the audio, in order."""
+    committed: dict[int, list[str]] = {}
+    for event in events:
+        if isinstance(event, PartialTranscript):
+            before = committed.get(event.utterance_index, [])
+            now = texts(event.committed)
+            assert now[: len(before)] == before, (before, now)
+            committed[event.utterance_index] = now
+            assert 0.0 <= event.stability <= 1.0
+        elif isinstance(event, FinalTranscript):
+            before = committed.pop(event.utterance.index, [])
+            assert texts(event.words)[: len(before)] == before, (before, texts(event.words))
+            starts = [w.start_s for w in event.words]
+            assert starts == sorted(starts)
+            assert all(0.0 <= w.start_s <= w.end_s <= audio_s + 0.01 for w in event.words)
+
+
+def finals(events: list) -> list[FinalTranscript]:
+    return [e for e in events if isinstance(e, FinalTranscript)]
+
+
+@pytest.mark.parametrize(("voice", "max_wer"), [("speech", 0.10), ("espeak", 0.35)])
+def test_two_utterances_stream_partials_then_finals(request, transcriber, voice, max_wer):
+    make = request.getfixturevalue(voice)
+    first, second = "Can you recommend a good book for a long train ride?", "Thank you very much."
+    gap = np.zeros(SAMPLE_RATE_HZ, np.float32)
+    audio = np.concatenate([gap, make(first), gap, make(second), gap])
+    events = stream(StreamingRecognizer(AsrOptions(), transcriber), audio)
+
+    check_stream_invariants(events, audio.size / SAMPLE_RATE_HZ)
+    done = finals(events)
+    assert [f.utterance.index for f in done] == [0, 1]  # both turns, each closed by its silence
+    assert [e.utterance_index for e in events if isinstance(e, SpeechStarted)] == [0, 1]
+    hypothesis = " ".join(normalised_text(f.text) for f in done)
+    assert jiwer.wer(normalised_text(f"{first} {second}"), hypothesis) < max_wer, hypothesis
+    partials = [e for e in events if isinstance(e, PartialTranscript) and e.utterance_index == 0]
+    assert len(partials) >= 3 and any(p.committed for p in partials)
+    assert done[0].words[-1].end_s <= done[1].words[0].start_s
+
+
+def test_silence_only_gives_no_events(transcriber):
+    assert stream(StreamingRecognizer(AsrOptions(), transcriber), np.zeros(5 * SAMPLE_RATE_HZ, np.float32)) == []
+
+
+def test_noise_only_gives_no_transcript(transcriber):
+    noise = np.random.default_rng(7).normal(0, 0.05, 5 * SAMPLE_RATE_HZ).astype(np.float32)
+    events = stream(StreamingRecognizer(AsrOptions(), transcriber), noise)
+    assert all(not f.text for f in finals(events)), [f.text for f in finals(events)]
+
+
+def test_clipped_speech_is_still_transcribed(speech, transcriber):
+    text = "Good morning to you."
+    clipped = np.clip(speech(text) * 8.0, -0.5, 0.5)  # hard clipping, far beyond full scale
+    events = stream(StreamingRecognizer(AsrOptions(), transcriber), clipped)
+    check_stream_invariants(events, clipped.size / SAMPLE_RATE_HZ)
+    assert [normalised_text(f.text) for f in finals(events)] == ["good morning to you"]
+
+
+def test_a_stream_that_ends_mid_utterance_still_gets_its_final(speech, transcriber):
+    audio = speech("Good morning to you, my friend")[: -int(0.4 * SAMPLE_RATE_HZ)]  # no trailing silence
+    recognizer = StreamingRecognizer(AsrOptions(), transcriber)
+    step = SAMPLE_RATE_HZ // 10
+    during = [e for i in range(0, audio.size, step) for e in recognizer.feed(audio[i : i + step])]
+    assert finals(during) == []
+    at_end = recognizer.finish()
+    assert len(at_end) == 1 and normalised_text(at_end[0].text).startswith("good morning")
+
+
+def test_rates_outside_8_to_48_khz_and_odd_byte_counts_are_rejected():
+    with pytest.raises(AudioFormatError, match="sample rate 7 Hz"):
+        PcmStreamDecoder(PcmFormat(7), SAMPLE_RATE_HZ)
+    decoder = PcmStreamDecoder(PcmFormat(16_000), SAMPLE_RATE_HZ)
+    decoder.feed(b"\x00\x01\x02")
+    with pytest.raises(AudioFormatError, match="stray byte"):
+        decoder.finish()
+
+
+def test_caption_cues_for_the_users_words_break_at_pauses_and_line_length():
+    spoken = words("what is the capital of France", step_s=0.3) + words("thanks", start_s=3.0)
+    cues = cues_from_words(spoken, max_chars=20)
+    assert [c.text for c in cues] == ["what is the capital", "of France", "thanks"]
+    assert cues[0].start_s == 0.0 and cues[-1].end_s == pytest.approx(3.25)
+    assert all(a.end_s <= b.start_s for a, b in pairwise(cues))
+
+
+def test_words_at_the_edge_of_the_heard_audio_stay_tentative():
+    agreement = LocalAgreement(n=2)
+    agreement.update(words("good morning to"))  # ends at 0.85 s
+    assert texts(agreement.update(words("good morning to"), settled_until_s=0.6)) == ["good", "morning"]
+    assert texts(agreement.tentative) == ["to"]
