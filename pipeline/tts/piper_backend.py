@@ -14,21 +14,27 @@ from pipeline.models import resolve_piper_voice
 class TtsOptions:
     voice: str = "bundled"  # the bundled en_US-joe-medium, or a Piper .onnx path
     use_cuda: bool = False
+    # The voice's generator and phoneme-width noise; None keeps the voice's own. 0 makes synthesis
+    # deterministic (the tests use that, so their speech is the same on every run).
+    noise_scale: float | None = None
+    noise_w_scale: float | None = None
 
 
 class PiperSynthesizer:
     def __init__(self, options: TtsOptions) -> None:
         from piper import PiperVoice
+        from piper.config import SynthesisConfig
 
         files = resolve_piper_voice(options.voice)
         self.voice = PiperVoice.load(files.model_path, config_path=files.config_path, use_cuda=options.use_cuda)
         self.sample_rate_hz = int(self.voice.config.sample_rate)
+        self.config = SynthesisConfig(noise_scale=options.noise_scale, noise_w_scale=options.noise_w_scale)
 
     def warm_up(self) -> None:
         self.synthesize("Hello there.")
 
     def synthesize(self, text: str, sample_rate_hz: int = 0) -> np.ndarray:
         """Mono float32 audio of `text` at `sample_rate_hz` (0: the voice's rate)."""
-        parts = [chunk.audio_float_array for chunk in self.voice.synthesize(text)]
+        parts = [chunk.audio_float_array for chunk in self.voice.synthesize(text, self.config)]
         audio = np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
         return resample(audio, self.sample_rate_hz, sample_rate_hz or self.sample_rate_hz)
