@@ -24,8 +24,13 @@ from pipeline.llm.prompts import Task, chat_messages, encode_chat
 from pipeline.llm.sampling import SamplingOptions, logits_to_probs, sample, speculative_verify
 
 PROMPTS_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts.json"
-FALLBACK = {"dialogue": ["Hello there! How is your day going so far?"],
-            "caption": ["Rewrite this transcript as a clean caption, keeping the speaker's words: so uh hi"]}
+CAPTION = "Rewrite this transcript as a clean caption, keeping the speaker's words: "
+FALLBACK = {  # a lone clone without shared/ beside it
+    "dialogue": ["Hello there! How is your day going so far?", "Why do cats purr?", "How do bees make honey?"],
+    "caption": [CAPTION + "so uh the next slide shows our sales numbers for the last quarter",
+                CAPTION + "hey everyone welcome back to the channel today we are going to build a birdhouse",
+                CAPTION + "um okay so the the meeting is moved to thursday at three"],
+}
 PROMPTS = json.loads(PROMPTS_FILE.read_text()) if PROMPTS_FILE.exists() else FALLBACK
 ALL_PROMPTS = [(task, text) for task in ("dialogue", "caption") for text in PROMPTS[task]]
 DRAFTERS = ("ngram", "suffix", "early-exit", "draft")
@@ -39,7 +44,7 @@ def tiny(tiny_llm_dir):
     draft = load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float64"))
     with torch.no_grad():  # same architecture, perturbed weights: a drafter that is often right, not always
         for p in draft.model.parameters():
-            p.add_(0.02 * torch.randn_like(p))
+            p.add_(0.005 * torch.randn_like(p))
     return Generator(target, draft, early_exit_layers=2)
 
 
