@@ -45,7 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", help="float32, bfloat16, float16 or float64 (default: llm.dtype)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
-    bench.add_argument("what", choices=["turn", "asr", "spec"])
+    bench.add_argument("what", choices=["turn", "asr", "spec", "spec-plots"])
+    bench.add_argument("--drafter", default="suffix", help="spec-plots: the drafter swept over draft lengths")
+    bench.add_argument("--out", default="docs", help="spec-plots: folder for the PNGs and JSON")
     bench.add_argument("--turns", type=int, default=8, help="turn, asr: spoken turns, or sentences per voice")
     bench.add_argument("--limit", type=int, default=16, help="spec: prompts per set")
     bench.add_argument("--max-new-tokens", type=int, default=128, help="spec: tokens per prompt")
@@ -66,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         return generate(settings, args)
     if args.command == "bench":
+        if args.what == "spec-plots":
+            from bench import spec_plots
+
+            return spec_plots.run(settings, args.drafter, args.limit, args.max_new_tokens, args.out)
         if args.what == "spec":
             from bench import spec
 
