@@ -14,16 +14,16 @@ from pathlib import Path
 
 import torch
 
+from bench.prompts import load_prompts
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.model import load_draft_model, load_model
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 
-PROMPTS_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts.json"
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 
 
 def run(settings, limit: int, max_new_tokens: int, json_path: str | None) -> int:
-    prompts = json.loads(PROMPTS_FILE.read_text())
+    prompts = load_prompts()
     loaded = load_model(settings.llm)
     generator = Generator(loaded, load_draft_model(settings.llm, loaded), settings.llm.early_exit_layers)
     methods = ["hf-greedy", "hf-prompt-lookup", *[f"specvox-{d}" for d in generator.drafters]]

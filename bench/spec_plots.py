@@ -11,16 +11,16 @@ import json
 import time
 from pathlib import Path
 
+from bench.prompts import load_prompts
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.model import load_model
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 
-PROMPTS_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts.json"
 GAMMAS = (1, 2, 3, 4, 6, 8)
 
 
 def run(settings, drafter: str, limit: int, max_new_tokens: int, out_dir: str) -> int:
-    prompts = json.loads(PROMPTS_FILE.read_text())
+    prompts = load_prompts()
     loaded = load_model(settings.llm)
     generator = Generator(loaded, early_exit_layers=settings.llm.early_exit_layers)
     results = {}

@@ -13,17 +13,13 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from bench.prompts import load_prompts
 from services.client import ClientOptions, converse
 from services.demo import _start_stack, _wait_ready
 
-FALLBACK_QUESTIONS = ["Hello there! How is your day going so far?", "Why do cats purr?"]
-PROMPTS_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts.json"
-
 
 def questions(limit: int) -> list[str]:
-    if PROMPTS_FILE.exists():
-        return json.loads(PROMPTS_FILE.read_text())["dialogue"][:limit]
-    return FALLBACK_QUESTIONS[:limit]
+    return load_prompts()["dialogue"][:limit]
 
 
 def run(settings, turns: int, json_path: str | None) -> int:

@@ -8,30 +8,21 @@ float32, the configuration it serves in.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
 
+from bench.prompts import load_prompts
 from pipeline.llm.drafters import Draft, SuffixAutomaton
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.model import LlmOptions, load_model, rollback
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 from pipeline.llm.sampling import SamplingOptions, logits_to_probs, sample, speculative_verify
 
-PROMPTS_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts.json"
-CAPTION = "Rewrite this transcript as a clean caption, keeping the speaker's words: "
-FALLBACK = {  # a lone clone without shared/ beside it
-    "dialogue": ["Hello there! How is your day going so far?", "Why do cats purr?", "How do bees make honey?"],
-    "caption": [CAPTION + "so uh the next slide shows our sales numbers for the last quarter",
-                CAPTION + "hey everyone welcome back to the channel today we are going to build a birdhouse",
-                CAPTION + "um okay so the the meeting is moved to thursday at three"],
-}
-PROMPTS = json.loads(PROMPTS_FILE.read_text()) if PROMPTS_FILE.exists() else FALLBACK
+PROMPTS = load_prompts()
 ALL_PROMPTS = [(task, text) for task in ("dialogue", "caption") for text in PROMPTS[task]]
 DRAFTERS = ("ngram", "suffix", "early-exit", "draft")
 FALSE_ALARM = 1e-3  # per chi-square test; 13 tests → family-wise false alarm ≈ 1.3 %

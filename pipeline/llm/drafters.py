@@ -143,6 +143,7 @@ class SuffixDrafter:
     def __init__(self, min_match: int = 2, max_context: int = 64) -> None:
         self.min_match, self.max_context = min_match, max_context
         self.memory = SuffixAutomaton()  # the session's past
+        self._lookup = PromptLookupDrafter(max_ngram=8, min_ngram=min_match)
         self._separator = -1  # never a token id: matches never run across two utterances
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
@@ -152,7 +153,7 @@ class SuffixDrafter:
         if matched >= self.min_match:
             best = self._follow(self.memory.text, end, k)
         if len(best) < k:  # the current sequence itself (a reply repeating its prompt)
-            local = PromptLookupDrafter(max_ngram=8, min_ngram=self.min_match).propose(context, k)
+            local = self._lookup.propose(context, k)
             best = local.tokens if len(local.tokens) > len(best) else best
         return Draft(best) if best else EMPTY
 
