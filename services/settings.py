@@ -13,8 +13,8 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from pipeline.asr import AsrOptions
 from pipeline.llm.model import LlmOptions
+from pipeline.tts.backend import TtsOptions
 from pipeline.tts.phrases import PhraseOptions
-from pipeline.tts.piper_backend import TtsOptions
 
 CONFIG_ENV = "SPECVOX_CONFIG"
 DEFAULT_CONFIG_FILE = "specvox.toml"

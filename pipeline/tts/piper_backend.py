@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import numpy as np
 
 from pipeline.audio import resample
 from pipeline.models import resolve_piper_voice
+from pipeline.tts.backend import Synthesis, TtsOptions
 
-
-@dataclass(frozen=True)
-class TtsOptions:
-    voice: str = "bundled"  # the bundled en_US-joe-medium, or a Piper .onnx path
-    use_cuda: bool = False
-    # The voice's generator and phoneme-width noise; None keeps the voice's own. 0 makes synthesis
-    # deterministic (the tests use that, so their speech is the same on every run).
-    noise_scale: float | None = None
-    noise_w_scale: float | None = None
+__all__ = ["PiperSynthesizer", "TtsOptions"]
 
 
 class PiperSynthesizer:
+    name = "piper"
+
     def __init__(self, options: TtsOptions) -> None:
         from piper import PiperVoice
         from piper.config import SynthesisConfig
@@ -33,8 +28,13 @@ class PiperSynthesizer:
     def warm_up(self) -> None:
         self.synthesize("Hello there.")
 
+    def stream(self, text: str) -> Iterator[Synthesis]:
+        """One piece per sentence, as Piper synthesizes them."""
+        for chunk in self.voice.synthesize(text, self.config):
+            yield Synthesis(chunk.audio_float_array.astype(np.float32), self.sample_rate_hz)
+
     def synthesize(self, text: str, sample_rate_hz: int = 0) -> np.ndarray:
         """Mono float32 audio of `text` at `sample_rate_hz` (0: the voice's rate)."""
-        parts = [chunk.audio_float_array for chunk in self.voice.synthesize(text, self.config)]
+        parts = [piece.audio for piece in self.stream(text)]
         audio = np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
         return resample(audio, self.sample_rate_hz, sample_rate_hz or self.sample_rate_hz)

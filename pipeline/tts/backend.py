@@ -1,0 +1,78 @@
+"""What every speech backend offers the tts stage, and choosing one from the settings.
+
+A backend turns one phrase of text into audio, in one or more pieces (a streaming model
+such as XTTS yields several, as it goes). Word timings come with a piece when the
+backend can align its own output (Piper's phoneme widths); otherwise the speaker places
+words in proportion within the phrase.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+BACKENDS = ("piper", "coqui")
+
+
+@dataclass(frozen=True)
+class TtsOptions:
+    backend: str = "piper"  # piper or coqui
+    voice: str = "bundled"  # piper: the bundled en_US-joe-medium, or a Piper .onnx path
+    # coqui: a model name known to the TTS package (e.g. tts_models/en/ljspeech/vits), or a local
+    # checkpoint with its config (coqui_model = the checkpoint path, coqui_config = config.json).
+    coqui_model: str = ""
+    coqui_config: str = ""
+    coqui_speaker: str = ""  # multi-speaker models: the speaker's name
+    coqui_language: str = ""  # multilingual models (XTTS): the language code
+    device: str = "cpu"  # where the model runs (cuda for a GPU)
+    use_cuda: bool = False  # piper: run the ONNX model with CUDA
+    # The voice's generator and phoneme-width noise; None keeps the voice's own. 0 makes synthesis
+    # deterministic (the tests use that, so their speech is the same on every run).
+    noise_scale: float | None = None
+    noise_w_scale: float | None = None
+
+
+@dataclass(frozen=True)
+class WordTiming:
+    text: str
+    start_s: float  # within the piece's audio
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Synthesis:
+    """One piece of a phrase's audio."""
+
+    audio: np.ndarray  # mono float32 at sample_rate_hz
+    sample_rate_hz: int
+    words: tuple[WordTiming, ...] | None = None  # None: the backend cannot align its output
+
+
+class Synthesizer(Protocol):
+    name: str
+    sample_rate_hz: int  # the voice's own rate
+
+    def warm_up(self) -> None: ...
+
+    def stream(self, text: str) -> Iterator[Synthesis]:
+        """The audio of `text` in pieces, in order, as soon as each exists (blocking)."""
+        ...
+
+    def synthesize(self, text: str, sample_rate_hz: int = 0) -> np.ndarray:
+        """The whole audio of `text`, mono float32 at `sample_rate_hz` (0: the voice's rate)."""
+        ...
+
+
+def load_synthesizer(options: TtsOptions) -> Synthesizer:
+    if options.backend == "piper":
+        from pipeline.tts.piper_backend import PiperSynthesizer
+
+        return PiperSynthesizer(options)
+    if options.backend == "coqui":
+        from pipeline.tts.coqui_backend import CoquiSynthesizer  # type: ignore[import-not-found]
+
+        return CoquiSynthesizer(options)
+    raise ValueError(f"unknown tts backend {options.backend!r}: choose one of {', '.join(BACKENDS)}")
