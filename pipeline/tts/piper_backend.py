@@ -121,6 +121,7 @@ def _session(model_path: str, options: TtsOptions) -> tuple[Any, bool]:
     session_options = onnxruntime.SessionOptions()
     session_options.intra_op_num_threads = options.threads or (os.cpu_count() or 1)
     session_options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+    session_options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle threads yield the CPU
     providers: list[Any] = (
         [("CUDAExecutionProvider", {"cudnn_conv_algo_search": "HEURISTIC"})] if options.use_cuda
         else ["CPUExecutionProvider"]
