@@ -55,12 +55,12 @@ class PiperSynthesizer:
         first = 0
         for chunk in self.voice.synthesize(text, self.config, include_alignments=self.aligned):
             audio = chunk.audio_float_array.astype(np.float32)
+            piece_words = words[first : first + _count_words(chunk.phonemes)]
+            first += len(piece_words)
             timings = None
             if countable and chunk.phoneme_alignments is not None:
                 spans = phoneme_word_spans([(a.phoneme, int(a.num_samples)) for a in chunk.phoneme_alignments])
-                piece_words = words[first : first + len(spans)]
-                first += len(spans)
-                if len(piece_words) == len(spans):
+                if len(spans) == len(piece_words):
                     timings = tuple(WordTiming(w, s / self.sample_rate_hz, e / self.sample_rate_hz)
                                     for w, (s, e) in zip(piece_words, spans, strict=True))
             yield Synthesis(audio, self.sample_rate_hz, timings)
