@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import re
 import statistics
 import time
@@ -44,10 +45,13 @@ def run(settings, backend: str, token_ms: float, threads: int, json_path: str | 
                                       threads=threads if threads else settings.tts.threads)
     synthesizer = load_synthesizer(tts_options)
     synthesizer.warm_up()
+    load_before, phrases = os.getloadavg()[0], settings.phrases
     rows = asyncio.run(_latencies(settings, synthesizer, token_ms))
     for row in rows:
         row |= _rtf(settings, synthesizer, row.pop("text"))
-        row |= {"backend": synthesizer.name, "token_ms": token_ms, "threads": tts_options.threads}
+        row |= {"backend": synthesizer.name, "token_ms": token_ms, "threads": tts_options.threads,
+                "first_phrase_chars": [phrases.first_phrase_min_chars, phrases.first_phrase_max_chars],
+                "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)]}  # before, after
     print_table(rows)
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=2) + "\n")
@@ -137,7 +141,8 @@ def _rtf(settings, synthesizer, text: str) -> dict:
 
 def print_table(rows: list[dict]) -> None:
     cols = ["first_token_to_audio_ms", "phrase_to_audio_ms", "first_phrase_audio_s", "audio_s", "rtf"]
-    print(f"\nbackend {rows[0]['backend']}, a word every {rows[0]['token_ms']:.0f} ms")
+    print(f"\nbackend {rows[0]['backend']}, a word every {rows[0]['token_ms']:.0f} ms, "
+          f"{rows[0]['threads']} thread(s), load average {rows[0]['load_average_1min']} (before, after)")
     print(f"{'reply':<42} " + " ".join(f"{c:>24}" for c in cols))
     for row in rows:
         print(f"{row['reply']:<42} " + " ".join(f"{row[c]:>24}" for c in cols))
