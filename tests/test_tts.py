@@ -279,8 +279,12 @@ async def test_ten_thousand_characters_stream_out_in_chunks_with_bounded_memory(
     assert first_audio_s < 0.2 * received_s  # out as made, not after the whole text
 
 
-async def test_a_cancelled_turn_stops_within_a_phrase_and_the_service_goes_on(service, synthesizer):
+async def test_a_cancelled_turn_stops_within_a_phrase_and_the_service_goes_on(service, synthesizer, monkeypatch):
     stub, redis = service
+    phrase_s = synthesizer_time_s(synthesizer, "This is a rather long reply that goes on.")
+    started: list[float] = []  # when each phrase's synthesis began (the real voice still speaks it)
+    stream = synthesizer.stream
+    monkeypatch.setattr(synthesizer, "stream", lambda text: (started.append(time.monotonic()), stream(text))[1])
     session_id, turn_id = await new_turn(redis)
     long_reply = "This is a rather long reply that goes on. " * 40
     await write_tokens(redis, turn_id, [w + " " for w in long_reply.split()], gap_s=0)
@@ -290,17 +294,18 @@ async def test_a_cancelled_turn_stops_within_a_phrase_and_the_service_goes_on(se
             break
     call.cancel()  # barge-in
     cancelled = time.monotonic()
-    # The worker finishes at most the piece in hand, then serves the next call.
+    await asyncio.sleep(3 * phrase_s + 0.5)
+    after_cancel = [t for t in started if t > cancelled]
+    assert len(after_cancel) <= 1, (len(after_cancel), len(started))  # at most one began as the cancel flew
+    assert len(started) < 5  # of 40
     result = await collect(stub.Synthesize(tts.SynthesizeRequest(text="Yes?")))
-    waited_s = time.monotonic() - cancelled
-    phrase_s = synthesizer_time_s(synthesizer, "This is a rather long reply that goes on.")
-    assert result["audio"] and waited_s < phrase_s + 2.0, (waited_s, phrase_s)
+    assert result["audio"]
 
 
 def synthesizer_time_s(synthesizer, text: str) -> float:
-    started = time.monotonic()
+    began = time.monotonic()
     synthesizer.synthesize(text)
-    return time.monotonic() - started
+    return time.monotonic() - began
 
 
 def test_caption_documents_round_trip_through_parsers():
