@@ -229,8 +229,9 @@ def say_to_file(settings, text: str, out: str, sample_rate_hz: int, pad_s: float
 
     from pipeline.audio import float_to_pcm16, wav_bytes
     from pipeline.tts.backend import load_synthesizer
+    from pipeline.tts.speech_text import speech_text
 
-    audio = load_synthesizer(settings.tts).synthesize(text, sample_rate_hz)
+    audio = load_synthesizer(settings.tts).synthesize(speech_text(text).spoken, sample_rate_hz)  # as tts says it
     pad = np.zeros(int(pad_s * sample_rate_hz), np.float32)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "wb") as f:
