@@ -47,23 +47,39 @@ class PiperSynthesizer:
     def stream(self, text: str) -> Iterator[Synthesis]:
         """One piece per sentence, as Piper synthesizes them, with word times when the voice aligns."""
         words = text.split()
-        counts = [_count_words(p) for p in self.voice.phonemize(text)]
-        counts = [c for c in counts if c]
-        countable = self.aligned and sum(counts) == len(words)
-        if self.aligned and not countable:
-            log.debug("espeak heard %d words in %d: timing %r in proportion", sum(counts), len(words), text)
-        first = 0
+        groups = self._espeak_words_per_word(text, words) if self.aligned else None
+        first = 0  # the text's next word
         for chunk in self.voice.synthesize(text, self.config, include_alignments=self.aligned):
             audio = chunk.audio_float_array.astype(np.float32)
-            piece_words = words[first : first + _count_words(chunk.phonemes)]
-            first += len(piece_words)
             timings = None
-            if countable and chunk.phoneme_alignments is not None:
-                spans = phoneme_word_spans([(a.phoneme, int(a.num_samples)) for a in chunk.phoneme_alignments])
-                if len(spans) == len(piece_words):
-                    timings = tuple(WordTiming(w, s / self.sample_rate_hz, e / self.sample_rate_hz)
-                                    for w, (s, e) in zip(piece_words, spans, strict=True))
+            if groups is not None:
+                sizes = _take(groups, first, _count_words(chunk.phonemes))
+                alignments = chunk.phoneme_alignments or []
+                spans = phoneme_word_spans([(a.phoneme, int(a.num_samples)) for a in alignments])
+                if sizes is None or len(spans) != sum(sizes):
+                    groups = None  # lost track: the rest goes in proportion
+                else:
+                    timings = self._timings(words[first : first + len(sizes)], sizes, spans)
+                    first += len(sizes)
             yield Synthesis(audio, self.sample_rate_hz, timings)
+
+    def _espeak_words_per_word(self, text: str, words: list[str]) -> list[int] | None:
+        """How many words espeak makes of each word ("COVID-19" → 2); None if that does not add up."""
+        total = sum(_count_words(p) for p in self.voice.phonemize(text))
+        if total == len(words):
+            return [1] * len(words)
+        groups = [sum(_count_words(p) for p in self.voice.phonemize(w)) for w in words]
+        if sum(groups) != total or 0 in groups:
+            log.debug("espeak heard %d words in %r: timing it in proportion", total, text)
+            return None
+        return groups
+
+    def _timings(self, words: list[str], sizes: list[int], spans: list[tuple[int, int]]) -> tuple[WordTiming, ...]:
+        out, k, rate = [], 0, self.sample_rate_hz
+        for word, size in zip(words, sizes, strict=True):
+            out.append(WordTiming(word, spans[k][0] / rate, spans[k + size - 1][1] / rate))
+            k += size
+        return tuple(out)
 
     def synthesize(self, text: str, sample_rate_hz: int = 0) -> np.ndarray:
         """Mono float32 audio of `text` at `sample_rate_hz` (0: the voice's rate)."""
@@ -91,6 +107,14 @@ def phoneme_word_spans(alignments: Sequence[tuple[str, int]]) -> list[tuple[int,
     if start >= 0:
         spans.append((start, end))
     return spans
+
+
+def _take(groups: list[int], first: int, espeak_words: int) -> list[int] | None:
+    """The espeak-word counts of the text's words from `first` that make up a sentence of `espeak_words`."""
+    taken: list[int] = []
+    while sum(taken) < espeak_words and first + len(taken) < len(groups):
+        taken.append(groups[first + len(taken)])
+    return taken if sum(taken) == espeak_words else None
 
 
 def _count_words(phonemes: Sequence[str]) -> int:
