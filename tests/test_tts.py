@@ -180,7 +180,7 @@ async def test_text_streamed_in_pieces_is_spoken_phrase_by_phrase_as_it_arrives(
     async def pieces():
         yield tts.TextPiece(text="Hello there, my", sample_rate_hz=RATE)
         yield tts.TextPiece(text=" friend. How are")
-        await asyncio.sleep(1.5)  # the first phrase must be heard before the rest is written
+        await asyncio.sleep(3.0)  # the first phrase must be heard before the rest is written
         arrived["rest"] = time.monotonic()
         yield tts.TextPiece(text=" you today?")
 
