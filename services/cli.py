@@ -45,12 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", help="float32, bfloat16, float16 or float64 (default: llm.dtype)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
-    bench.add_argument("what", choices=["turn", "asr", "spec", "spec-plots"])
+    bench.add_argument("what", choices=["turn", "asr", "spec", "spec-plots", "tts"])
     bench.add_argument("--drafter", default="suffix", help="spec-plots: the drafter swept over draft lengths")
     bench.add_argument("--out", default="docs", help="spec-plots: folder for the PNGs and JSON")
     bench.add_argument("--turns", type=int, default=8, help="turn, asr: spoken turns, or sentences per voice")
     bench.add_argument("--limit", type=int, default=16, help="spec: prompts per set")
     bench.add_argument("--max-new-tokens", type=int, default=128, help="spec: tokens per prompt")
+    bench.add_argument("--backend", default="", help="tts: piper or coqui (default: tts.backend)")
+    bench.add_argument("--token-ms", type=float, default=40.0, help="tts: a word of the reply every this many ms")
+    bench.add_argument("--threads", type=int, default=0, help="tts: model threads (default: tts.threads)")
     bench.add_argument("--json", dest="json_path", help="write the rows here")
     args = parser.parse_args(argv)
 
@@ -72,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench import spec_plots
 
             return spec_plots.run(settings, args.drafter, args.limit, args.max_new_tokens, args.out)
+        if args.what == "tts":
+            from bench import tts
+
+            return tts.run(settings, args.backend, args.token_ms, args.threads, args.json_path)
         if args.what == "spec":
             from bench import spec
 
@@ -221,9 +228,10 @@ def say_to_file(settings, text: str, out: str, sample_rate_hz: int, pad_s: float
     import numpy as np
 
     from pipeline.audio import float_to_pcm16, wav_bytes
-    from pipeline.tts.piper_backend import PiperSynthesizer
+    from pipeline.tts.backend import load_synthesizer
+    from pipeline.tts.speech_text import speech_text
 
-    audio = PiperSynthesizer(settings.tts).synthesize(text, sample_rate_hz)
+    audio = load_synthesizer(settings.tts).synthesize(speech_text(text).spoken, sample_rate_hz)  # as tts says it
     pad = np.zeros(int(pad_s * sample_rate_hz), np.float32)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "wb") as f:
