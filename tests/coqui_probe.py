@@ -1,0 +1,45 @@
+"""Run the Coqui backend in the Coqui env for a test in the main env (which cannot import TTS).
+
+  python tests/coqui_probe.py synth OUT.npz OPTIONS_JSON TEXT RATE
+      loads CoquiSynthesizer with TtsOptions(**OPTIONS_JSON) and saves what the test checks:
+      the whole audio, the same text's stream pieces, and the audio resampled to RATE.
+  python tests/coqui_probe.py load OPTIONS_LIST_JSON
+      tries to load each TtsOptions in turn; prints a JSON list with, for each, the error a
+      user would see (type and message) or the loaded backend's name and rate.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+from pipeline.tts.backend import TtsOptions, load_synthesizer
+
+
+def synth(out: str, options_json: str, text: str, rate: str) -> None:
+    synthesizer = load_synthesizer(TtsOptions(**json.loads(options_json)))
+    audio = synthesizer.synthesize(text)
+    pieces = list(synthesizer.stream(text))
+    np.savez(out, audio=audio, pieces=np.concatenate([p.audio for p in pieces]),
+             piece_sizes=np.array([p.audio.size for p in pieces]),
+             piece_rates=np.array([p.sample_rate_hz for p in pieces]),
+             piece_words=np.array([p.words is not None for p in pieces]),
+             resampled=synthesizer.synthesize(text, int(rate)),
+             sample_rate_hz=synthesizer.sample_rate_hz, name=synthesizer.name)
+
+
+def load(options_list_json: str) -> None:
+    results = []
+    for options in json.loads(options_list_json):
+        try:
+            synthesizer = load_synthesizer(TtsOptions(**options))
+            results.append({"name": synthesizer.name, "sample_rate_hz": synthesizer.sample_rate_hz})
+        except Exception as error:  # the test reads the type and message
+            results.append({"error": type(error).__name__, "message": str(error)})
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    {"synth": synth, "load": load}[sys.argv[1]](*sys.argv[2:])
