@@ -2,7 +2,8 @@
 
 coqui-tts cannot be imported beside the project's torch, so these tests drive the Coqui
 env's python: it builds a tiny random-weight VITS (tests/coqui_tiny_vits.py), runs the
-backend on it (tests/coqui_probe.py), and serves the tts gRPC service with it. The model
+backend on it (tests/coqui_probe.py), and runs the tts gRPC service with it under
+`specvox up --tts-python`. The model
 speaks noise, so the tests check the audio's form, rate, pieces and errors, not its words.
 
 Without .venv-coqui these tests skip locally; in CI (CI=true) they fail, as `make test`
@@ -15,7 +16,9 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import time
 from itertools import pairwise
 from pathlib import Path
@@ -23,17 +26,15 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pipeline.models import ModelNotFoundError
 from pipeline.tts.backend import TtsOptions, load_synthesizer
 from services.protos import load
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, STACK_START_TIMEOUT_S, free_port
 
 tts, tts_grpc = load("tts")
 TINY_RATE_HZ = 16_000  # tests/coqui_tiny_vits.py; Piper's bundled voice speaks at 22,050
 TEXT = "Hello there. How are you today, my friend?"
-SERVICE_START_TIMEOUT_S = 180
 
 
 @pytest.fixture(scope="session")
@@ -156,37 +157,38 @@ def test_the_main_env_says_how_to_get_the_coqui_backend():
 
 @pytest.fixture(scope="module")
 def coqui_tts_service(coqui_python, tiny_vits, redis_url, tmp_path_factory):
-    """`specvox serve tts` under the Coqui env's python, on a free port, with the tiny VITS."""
-    port = free_port()
+    """`specvox up --tts-python <the Coqui env's python>` with the tiny VITS, on free ports and
+    the tests' Valkey: the tts service runs in the Coqui env, the other three in this one."""
+    ports = {name: free_port() for name in ("gateway", "asr", "llm", "tts")}
     checkpoint, config = tiny_vits
-    env = coqui_env(SPECVOX_REDIS_URL=redis_url, SPECVOX_TTS_PORT=str(port), SPECVOX_LOG_LEVEL="WARNING",
-                    SPECVOX_TTS__BACKEND="coqui", SPECVOX_TTS__COQUI_MODEL=checkpoint,
-                    SPECVOX_TTS__COQUI_CONFIG=config)
-    log = tmp_path_factory.mktemp("coqui-tts") / "serve.log"
+    env = dict(os.environ, SPECVOX_REDIS_URL=redis_url, SPECVOX_LOG_LEVEL="WARNING", SPECVOX_TTS__BACKEND="coqui",
+               SPECVOX_TTS__COQUI_MODEL=checkpoint, SPECVOX_TTS__COQUI_CONFIG=config)
+    env.update({f"SPECVOX_{name.upper()}_PORT": str(port) for name, port in ports.items()})
+    log = tmp_path_factory.mktemp("coqui-stack") / "up.log"
     with open(log, "wb") as out:
-        process = subprocess.Popen([coqui_python, "-m", "services.cli", "serve", "tts"], cwd=ROOT, env=env,
-                                   stdout=out, stderr=subprocess.STDOUT)
-    address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + SERVICE_START_TIMEOUT_S
-    with grpc.insecure_channel(address) as channel:
-        while True:
-            try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-            except grpc.RpcError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                process.kill()
-                pytest.fail(f"the tts service under the Coqui env did not start:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-    yield address
-    process.terminate()
+        process = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--tts-python", coqui_python],
+                                   cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + STACK_START_TIMEOUT_S
+    while b"all services ready" not in log.read_bytes():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"specvox up --tts-python did not become ready:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    yield f"127.0.0.1:{ports['tts']}"
+    process.send_signal(signal.SIGINT)
     try:
         process.wait(30)
     except subprocess.TimeoutExpired:
         process.kill()
-        pytest.fail("the tts service did not stop within 30 s of SIGTERM")
+        pytest.fail("specvox up did not stop within 30 s of Ctrl-C")
+    assert process.returncode == 0, log.read_text()[-3000:]
+
+
+def test_up_refuses_a_tts_python_that_does_not_exist(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "services.cli", "up", "--tts-python", str(tmp_path / "python")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert f"the tts interpreter '{tmp_path / 'python'}' does not exist" in done.stderr
 
 
 async def synthesize(address: str, text: str, sample_rate_hz: int = 0) -> list:
