@@ -139,7 +139,8 @@ def up(settings, tts_python: str = "") -> int:
             return 1
         print("specvox: all services ready", flush=True)
         for name in SERVICES:
-            print(f"  {name:<8} {settings.address(name)}", flush=True)
+            other = f"  ({pythons[name]})" if pythons[name] != sys.executable else ""
+            print(f"  {name:<8} {settings.address(name)}{other}", flush=True)
         print("  redis    " + (embedded.url if embedded else str(settings.redis_url)), flush=True)
         print("specvox: Ctrl-C stops everything", flush=True)
         while not stopping:
