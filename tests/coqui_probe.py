@@ -5,17 +5,21 @@
       the whole audio, the same text's stream pieces, and the audio resampled to RATE.
   python tests/coqui_probe.py load OPTIONS_LIST_JSON
       tries to load each TtsOptions in turn; prints a JSON list with, for each, the error a
-      user would see (type and message) or the loaded backend's name and rate.
+      user would see (type and message), or the loaded backend's name and rate and a digest
+      of its audio for a short text (the same voice and noise give the same digest).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 
 import numpy as np
 
 from pipeline.tts.backend import TtsOptions, load_synthesizer
+
+SHORT_TEXT = "Hello there."
 
 
 def synth(out: str, options_json: str, text: str, rate: str) -> None:
@@ -35,7 +39,9 @@ def load(options_list_json: str) -> None:
     for options in json.loads(options_list_json):
         try:
             synthesizer = load_synthesizer(TtsOptions(**options))
-            results.append({"name": synthesizer.name, "sample_rate_hz": synthesizer.sample_rate_hz})
+            audio = synthesizer.synthesize(SHORT_TEXT)
+            results.append({"name": synthesizer.name, "sample_rate_hz": synthesizer.sample_rate_hz,
+                            "samples": audio.size, "sha1": hashlib.sha1(audio.tobytes()).hexdigest()})
         except Exception as error:  # the test reads the type and message
             results.append({"error": type(error).__name__, "message": str(error)})
     print(json.dumps(results))

@@ -1,8 +1,10 @@
 """Build a tiny random-weight VITS as a Coqui checkpoint + config (run by the Coqui env's python).
 
-The Coqui tests need a real model of their own: `python tests/coqui_tiny_vits.py DIR` writes
-DIR/model.pth and DIR/config.json, loadable by `TTS(model_path=…, config_path=…)`. Its weights
-are random, so it speaks noise; its shape, character set and rate are those of a real VITS.
+The Coqui tests need a real model of their own: `python tests/coqui_tiny_vits.py DIR
+[SPEAKERS [LANGUAGES]]` writes DIR/model.pth and DIR/config.json, loadable by
+`TTS(model_path=…, config_path=…)`. SPEAKERS and LANGUAGES (comma-separated names) make it a
+multi-speaker, multilingual VITS with speaker and language embeddings. Its weights are
+random, so it speaks noise; its shape, character set and rate are those of a real VITS.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 SAMPLE_RATE_HZ = 16_000  # not Piper's 22,050, so a test can tell which backend spoke
 
 
-def build(folder: Path) -> tuple[Path, Path]:
+def build(folder: Path, speakers: list[str] | None = None, languages: list[str] | None = None) -> tuple[Path, Path]:
     import torch
     from TTS.tts.configs.shared_configs import BaseAudioConfig, CharactersConfig
     from TTS.tts.configs.vits_config import VitsArgs, VitsConfig
@@ -26,7 +28,11 @@ def build(folder: Path) -> tuple[Path, Path]:
             hidden_channels=32, hidden_channels_ffn_text_encoder=64, num_heads_text_encoder=2,
             num_layers_text_encoder=2, num_layers_posterior_encoder=2, num_layers_flow=2,
             upsample_initial_channel_decoder=64, init_discriminator=False,
+            use_speaker_embedding=bool(speakers), speaker_embedding_channels=16,
+            use_language_embedding=bool(languages),
         ),
+        speakers=speakers or [],
+        languages=languages or [],
         text_cleaner="basic_cleaners",
         use_phonemes=False,
         characters=CharactersConfig(
@@ -44,5 +50,6 @@ def build(folder: Path) -> tuple[Path, Path]:
 
 
 if __name__ == "__main__":
-    for path in build(Path(sys.argv[1])):
+    names = [arg.split(",") for arg in sys.argv[2:4]]
+    for path in build(Path(sys.argv[1]), *names):
         print(path)

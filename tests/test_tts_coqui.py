@@ -119,7 +119,7 @@ def test_a_model_by_name_loads_from_the_local_coqui_folder_only(coqui_python, ti
     loaded, vctk, xtts, unknown, needs_vocoder = probe_load(
         coqui_python, [{"backend": "coqui", "coqui_model": name} for name in names],
         TTS_HOME=str(home), HF_HOME=str(tmp_path / "hf-home"))
-    assert loaded == {"name": "coqui", "sample_rate_hz": TINY_RATE_HZ}
+    assert (loaded["name"], loaded["sample_rate_hz"]) == ("coqui", TINY_RATE_HZ) and loaded["samples"] > 0
     for missing in (vctk, xtts):
         assert missing["error"] == "ModelNotFoundError", missing
         assert "downloads are off" in missing["message"] and "--model_name" in missing["message"], missing
@@ -146,6 +146,33 @@ def test_bad_paths_and_options_give_clear_errors(coqui_python, tiny_vits, tmp_pa
     assert empty["error"] == "ModelNotFoundError" and "coqui_model is empty" in empty["message"]
     assert speaker["error"] == "ValueError" and "one speaker" in speaker["message"]
     assert language["error"] == "ValueError" and "not multilingual" in language["message"]
+
+
+@pytest.fixture(scope="session")
+def tiny_multi_vits(coqui_python, tmp_path_factory) -> tuple[str, str]:
+    """The tiny VITS with two speakers and two languages (speaker and language embeddings)."""
+    folder = tmp_path_factory.mktemp("tiny-multi-vits")
+    subprocess.run([coqui_python, str(ROOT / "tests" / "coqui_tiny_vits.py"), str(folder), "alice,bob", "en,fr"],
+                   check=True, cwd=ROOT, env=coqui_env(), capture_output=True, timeout=300)
+    return str(folder / "model.pth"), str(folder / "config.json")
+
+
+def test_speaker_and_language_choose_the_voice(coqui_python, tiny_multi_vits):
+    voices = [("alice", "en"), ("bob", "en"), ("alice", "fr"), ("alice", "en"),
+              ("", "en"), ("carol", "en"), ("alice", ""), ("alice", "de")]
+    results = probe_load(coqui_python, [tiny_options(tiny_multi_vits, coqui_speaker=speaker, coqui_language=language)
+                                        for speaker, language in voices])
+    alice_en, bob_en, alice_fr, alice_en_again = results[:4]
+    assert all("sha1" in r for r in results[:4]), results[:4]
+    assert alice_en["sha1"] == alice_en_again["sha1"], "with zero noise the same voice speaks the same audio"
+    assert len({alice_en["sha1"], bob_en["sha1"], alice_fr["sha1"]}) == 3, "speaker and language change nothing"
+    no_speaker, unknown_speaker, no_language, unknown_language = results[4:]
+    assert no_speaker == {"error": "ValueError", "message": "this Coqui model has several voices: "
+                                                            "set tts.coqui_speaker to one of alice, bob"}
+    assert unknown_speaker["error"] == "ValueError" and "unknown Coqui speaker 'carol'" in unknown_speaker["message"]
+    assert no_language == {"error": "ValueError", "message": "this Coqui model is multilingual: "
+                                                             "set tts.coqui_language to one of en, fr"}
+    assert unknown_language == {"error": "ValueError", "message": "unknown Coqui language 'de': choose one of en, fr"}
 
 
 def test_the_main_env_says_how_to_get_the_coqui_backend():

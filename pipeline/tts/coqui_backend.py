@@ -142,9 +142,10 @@ class CoquiSynthesizer:
                 raise ValueError(f"this Coqui model has one speaker; tts.coqui_speaker={speaker!r} does not apply")
             return None, None
         if not speaker or speaker not in names:
-            wanted = f"one of {_few(names)} or " if names else ""
+            choices = [f"one of {_few(names)}"] if names else []
+            choices += ["a WAV recording of the voice"] if clones else []
             problem = f"unknown Coqui speaker {speaker!r}" if speaker else "this Coqui model has several voices"
-            raise ValueError(f"{problem}: set tts.coqui_speaker to {wanted}a WAV recording of the voice")
+            raise ValueError(f"{problem}: set tts.coqui_speaker to {' or '.join(choices)}")
         return speaker, None
 
     def _check_language(self) -> None:
