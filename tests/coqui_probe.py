@@ -2,7 +2,8 @@
 
   python tests/coqui_probe.py synth OUT.npz OPTIONS_JSON TEXT RATE
       loads CoquiSynthesizer with TtsOptions(**OPTIONS_JSON) and saves what the test checks:
-      the whole audio, the same text's stream pieces, and the audio resampled to RATE.
+      the whole audio, the same text's stream pieces, and the audio resampled to RATE. Each
+      call starts from the same torch seed, so models that sample (XTTS) repeat themselves.
   python tests/coqui_probe.py load OPTIONS_LIST_JSON
       tries to load each TtsOptions in turn; prints a JSON list with, for each, the error a
       user would see (type and message), or the loaded backend's name and rate and a digest
@@ -23,14 +24,19 @@ SHORT_TEXT = "Hello there."
 
 
 def synth(out: str, options_json: str, text: str, rate: str) -> None:
+    import torch
+
     synthesizer = load_synthesizer(TtsOptions(**json.loads(options_json)))
+    torch.manual_seed(0)
     audio = synthesizer.synthesize(text)
+    torch.manual_seed(0)
     pieces = list(synthesizer.stream(text))
+    torch.manual_seed(0)
     np.savez(out, audio=audio, pieces=np.concatenate([p.audio for p in pieces]),
              piece_sizes=np.array([p.audio.size for p in pieces]),
              piece_rates=np.array([p.sample_rate_hz for p in pieces]),
              piece_words=np.array([p.words is not None for p in pieces]),
-             resampled=synthesizer.synthesize(text, int(rate)),
+             resampled=synthesizer.synthesize(text, int(rate)), streams=getattr(synthesizer, "streams", False),
              sample_rate_hz=synthesizer.sample_rate_hz, name=synthesizer.name)
 
 

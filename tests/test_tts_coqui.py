@@ -1,10 +1,10 @@
 """The Coqui TTS backend for real, in its own environment (.venv-coqui, `make coqui`).
 
 coqui-tts cannot be imported beside the project's torch, so these tests drive the Coqui
-env's python: it builds a tiny random-weight VITS (tests/coqui_tiny_vits.py), runs the
-backend on it (tests/coqui_probe.py), and runs the tts gRPC service with it under
-`specvox up --tts-python`. The model
-speaks noise, so the tests check the audio's form, rate, pieces and errors, not its words.
+env's python: it builds tiny random-weight models (a VITS, an XTTS;
+tests/coqui_tiny_models.py), runs the backend on them (tests/coqui_probe.py), and runs the
+tts gRPC service with the VITS under `specvox up --tts-python`. The models speak noise, so
+the tests check the audio's form, rate, pieces and errors, not its words.
 
 Without .venv-coqui these tests skip locally; in CI (CI=true) they fail, as `make test`
 builds it.
@@ -30,10 +30,10 @@ import pytest
 from pipeline.models import ModelNotFoundError
 from pipeline.tts.backend import TtsOptions, load_synthesizer
 from services.protos import load
-from tests.conftest import ROOT, STACK_START_TIMEOUT_S, free_port
+from tests.conftest import ROOT, STACK_START_TIMEOUT_S, free_port, write_wav
 
 tts, tts_grpc = load("tts")
-TINY_RATE_HZ = 16_000  # tests/coqui_tiny_vits.py; Piper's bundled voice speaks at 22,050
+TINY_RATE_HZ = 16_000  # the tiny VITS (tests/coqui_tiny_models.py); Piper's bundled voice speaks at 22,050
 TEXT = "Hello there. How are you today, my friend?"
 
 
@@ -51,11 +51,16 @@ def coqui_env(**extra: str) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(ROOT), **extra)
 
 
+def build_tiny_model(coqui_python: str, kind: str, folder: Path, *names: str) -> None:
+    done = subprocess.run([coqui_python, str(ROOT / "tests" / "coqui_tiny_models.py"), kind, str(folder), *names],
+                          cwd=ROOT, env=coqui_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.fixture(scope="session")
 def tiny_vits(coqui_python, tmp_path_factory) -> tuple[str, str]:
     folder = tmp_path_factory.mktemp("tiny-vits")
-    subprocess.run([coqui_python, str(ROOT / "tests" / "coqui_tiny_vits.py"), str(folder)], check=True,
-                   cwd=ROOT, env=coqui_env(), capture_output=True, timeout=300)
+    build_tiny_model(coqui_python, "vits", folder)
     return str(folder / "model.pth"), str(folder / "config.json")
 
 
@@ -72,14 +77,17 @@ def probe_load(coqui_python: str, options: list[dict], **env: str) -> list[dict]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="session")
-def synthesized(coqui_python, tiny_vits, tmp_path_factory):
-    out = tmp_path_factory.mktemp("coqui-probe") / "out.npz"
+def probe_synth(coqui_python: str, options: dict, out: Path) -> dict:
     done = subprocess.run([coqui_python, str(ROOT / "tests" / "coqui_probe.py"), "synth", str(out),
-                           json.dumps(tiny_options(tiny_vits)), TEXT, "22050"],
+                           json.dumps(options), TEXT, "22050"],
                           cwd=ROOT, env=coqui_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(np.load(out))
+
+
+@pytest.fixture(scope="session")
+def synthesized(coqui_python, tiny_vits, tmp_path_factory):
+    return probe_synth(coqui_python, tiny_options(tiny_vits), tmp_path_factory.mktemp("coqui-probe") / "out.npz")
 
 
 def test_the_backend_synthesizes_audio_at_the_models_rate(synthesized):
@@ -97,6 +105,7 @@ def test_stream_pieces_are_the_whole_audio_in_order(synthesized):
     assert all(synthesized["piece_sizes"] > 0)
     assert set(synthesized["piece_rates"]) == {TINY_RATE_HZ}
     assert not synthesized["piece_words"].any(), "VITS pieces carry no word timings"
+    assert not synthesized["streams"]
     np.testing.assert_array_equal(synthesized["pieces"], synthesized["audio"])
 
 
@@ -152,8 +161,7 @@ def test_bad_paths_and_options_give_clear_errors(coqui_python, tiny_vits, tmp_pa
 def tiny_multi_vits(coqui_python, tmp_path_factory) -> tuple[str, str]:
     """The tiny VITS with two speakers and two languages (speaker and language embeddings)."""
     folder = tmp_path_factory.mktemp("tiny-multi-vits")
-    subprocess.run([coqui_python, str(ROOT / "tests" / "coqui_tiny_vits.py"), str(folder), "alice,bob", "en,fr"],
-                   check=True, cwd=ROOT, env=coqui_env(), capture_output=True, timeout=300)
+    build_tiny_model(coqui_python, "vits", folder, "alice,bob", "en,fr")
     return str(folder / "model.pth"), str(folder / "config.json")
 
 
@@ -173,6 +181,24 @@ def test_speaker_and_language_choose_the_voice(coqui_python, tiny_multi_vits):
     assert no_language == {"error": "ValueError", "message": "this Coqui model is multilingual: "
                                                              "set tts.coqui_language to one of en, fr"}
     assert unknown_language == {"error": "ValueError", "message": "unknown Coqui language 'de': choose one of en, fr"}
+
+
+def test_xtts_streams_pieces_in_a_voice_cloned_from_a_recording(coqui_python, speech, tmp_path):
+    """A tiny XTTS, its voice from a 16-bit WAV (read without torchaudio/FFmpeg): the phrase comes
+    in several pieces as the GPT decodes, at XTTS's 24 kHz, and they are the whole audio."""
+    build_tiny_model(coqui_python, "xtts", tmp_path / "xtts")
+    reference = write_wav(tmp_path / "voice.wav", speech("This is the voice to clone, for a few seconds."), 16_000)
+    options = {"backend": "coqui", "coqui_model": str(tmp_path / "xtts"), "coqui_speaker": str(reference),
+               "coqui_language": "en"}
+    out = probe_synth(coqui_python, options, tmp_path / "out.npz")
+    assert out["streams"] and int(out["sample_rate_hz"]) == 24_000
+    assert len(out["piece_sizes"]) >= 2, "XTTS gave the phrase in one piece: it did not stream"
+    assert set(out["piece_rates"]) == {24_000}
+    np.testing.assert_array_equal(out["pieces"], out["audio"])
+    audio = out["audio"]
+    assert audio.dtype == np.float32 and np.sqrt(np.mean(audio**2)) > 1e-4 and np.all(np.isfinite(audio))
+    missing_language, = probe_load(coqui_python, [options | {"coqui_language": ""}])
+    assert missing_language["error"] == "ValueError" and "multilingual" in missing_language["message"]
 
 
 def test_the_main_env_says_how_to_get_the_coqui_backend():

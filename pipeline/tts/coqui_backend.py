@@ -205,11 +205,29 @@ class CoquiSynthesizer:
         """XTTS's voice: a built-in speaker's latents, or those of a reference recording (once)."""
         if self._latents is None:
             if self.speaker_wav:
-                self._latents = self.model.get_conditioning_latents(audio_path=[self.speaker_wav])
+                self._latents = self._latents_of_recording(self.speaker_wav)
             else:
                 gpt_cond_latent, speaker_embedding = self.model.speaker_manager.speakers[self.speaker].values()
                 self._latents = (gpt_cond_latent, speaker_embedding)
         return self._latents
+
+    def _latents_of_recording(self, path: str) -> tuple[Any, Any]:
+        """XTTS's `get_conditioning_latents`, reading the WAV with soundfile rather than torchaudio
+        (whose loader, torchcodec, needs FFmpeg's shared libraries on the system)."""
+        import soundfile
+        import torch
+
+        config = self.model.config
+        rate = 22_050  # the rate XTTS's own loader reads references at
+        samples, file_rate = soundfile.read(path, dtype="float32", always_2d=True)
+        audio = resample(samples.mean(axis=1), file_rate, rate)[: rate * int(getattr(config, "max_ref_len", 30))]
+        if getattr(config, "sound_norm_refs", False):
+            audio = audio / max(float(np.abs(audio).max()), 1e-9) * 0.75
+        reference = torch.from_numpy(np.ascontiguousarray(audio))[None].to(self.model.device)
+        speaker_embedding = self.model.get_speaker_embedding(reference, rate)
+        gpt_cond_latent = self.model.get_gpt_cond_latents(reference, rate, length=getattr(config, "gpt_cond_len", 6),
+                                                          chunk_length=getattr(config, "gpt_cond_chunk_len", 6))
+        return gpt_cond_latent, speaker_embedding
 
     def synthesize(self, text: str, sample_rate_hz: int = 0) -> np.ndarray:
         """Mono float32 audio of `text` at `sample_rate_hz` (0: the model's rate)."""
