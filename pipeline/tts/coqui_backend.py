@@ -46,8 +46,8 @@ def coqui_model_not_found(name: str, where: str) -> ModelNotFoundError:
     )
 
 
-def _local_model_paths(name: str) -> tuple[str, str | None]:
-    """(checkpoint file or folder, config path or None) of a named model already on this machine.
+def _local_model_paths(name: str) -> tuple[str, str]:
+    """(checkpoint file or folder, config path) of a named model already on this machine.
 
     The Coqui models on GitHub unpack into the user data folder (~/.local/share/tts, or
     $TTS_HOME/tts); those on the Hugging Face Hub live in the Hub cache. Either way, only
