@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,9 @@ START_ORDER = ("tts", "asr", "llm", "gateway")  # the gateway last: it calls the
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specvox", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("up", help="start Redis (embedded unless configured) and all four services on loopback")
+    up_parser = sub.add_parser("up", help="start Redis (embedded unless configured) and all four services on loopback")
+    up_parser.add_argument("--tts-python", help="run the tts service with this interpreter (e.g. the Coqui env's, "
+                                                ".venv-coqui/bin/python); default: settings.tts_python, else this one")
     serve = sub.add_parser("serve", help="start one service alone")
     serve.add_argument("service", choices=SERVICES)
     client = sub.add_parser("client", help="stream a WAV to the gateway and save the reply")
@@ -63,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(os.environ.get("SPECVOX_LOG_LEVEL", "WARNING" if args.command == "client" else "INFO"))
     settings = Settings()
     if args.command == "up":
-        return up(settings)
+        return up(settings, args.tts_python or settings.tts_python)
     if args.command == "serve":
         return serve_one(settings, args.service)
     if args.command == "client":
@@ -101,10 +104,23 @@ def serve_one(settings, service: str) -> int:
     return 0
 
 
-def up(settings) -> int:
-    """Run every service as its own process (models load in parallel, no shared GIL)."""
+def up(settings, tts_python: str = "") -> int:
+    """Run every service as its own process (models load in parallel, no shared GIL).
+
+    The tts service may run under another interpreter: the Coqui backend's environment
+    cannot share this one's torch.
+    """
     from services import protos
     from services.redis_store import EmbeddedRedis
+
+    pythons = {name: sys.executable for name in SERVICES}
+    if tts_python:
+        resolved = shutil.which(tts_python)
+        if resolved is None:
+            print(f"specvox: the tts interpreter {tts_python!r} does not exist (for the Coqui backend: make coqui)",
+                  file=sys.stderr)
+            return 2
+        pythons["tts"] = resolved
 
     if protos.is_stale():  # once here, not in four children racing to write the same files
         protos.build()
@@ -125,12 +141,13 @@ def up(settings) -> int:
     signal.signal(signal.SIGTERM, stop)
     try:
         for name in START_ORDER:
-            children[name] = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", name], env=env)
+            children[name] = subprocess.Popen([pythons[name], "-m", "services.cli", "serve", name], env=env)
         if not _wait_healthy(settings, children, lambda: stopping):
             return 1
         print("specvox: all services ready", flush=True)
         for name in SERVICES:
-            print(f"  {name:<8} {settings.address(name)}", flush=True)
+            other = f"  ({pythons[name]})" if pythons[name] != sys.executable else ""
+            print(f"  {name:<8} {settings.address(name)}{other}", flush=True)
         print("  redis    " + (embedded.url if embedded else str(settings.redis_url)), flush=True)
         print("specvox: Ctrl-C stops everything", flush=True)
         while not stopping:
