@@ -30,8 +30,11 @@ class AsrOptions:
     device: str = "cpu"
     compute_type: str = "int8"
     cpu_threads: int = 0  # 0: CTranslate2's default
-    language: str = "en"
+    language: str = "en"  # a stream's StreamConfig.language overrides it; "": the model detects it
     beam_size: int = 1
+    # Decode text tokens only (<|notimestamps|>): word timings still come from the cross-attention
+    # alignment, and each pass emits fewer tokens (see docs/benchmarks.md for the saving).
+    without_timestamps: bool = True
     vad_threshold: float = 0.5
     speech_start_ms: int = 200  # speech heard for this long starts an utterance (shorter blips are ignored)
     end_of_speech_silence_ms: int = 400  # silence after speech for this long closes the utterance
@@ -44,6 +47,7 @@ class AsrOptions:
     # Encode only the audio (plus 1-2 s of padding) instead of Whisper's whole 30 s window:
     # the encoder's cost falls with it (see TrimmedWhisper). False: stock faster-whisper.
     trim_encoder_input: bool = True
+    encoder_min_s: float = 10.0  # trim_encoder_input: the least audio (s) the encoder is given
     offline: bool = True  # a model named by hub id must already be in the local cache
 
 
@@ -203,7 +207,8 @@ class Transcriber:
 
     def __init__(self, options: AsrOptions) -> None:
         self.options = options
-        model_class = trimmed_whisper_class() if options.trim_encoder_input else _whisper_class()
+        model_class = (trimmed_whisper_class(round(options.encoder_min_s * 100)) if options.trim_encoder_input
+                       else _whisper_class())
         try:
             self.model = model_class(
                 resolve_asr(options.model),
@@ -216,18 +221,30 @@ class Transcriber:
             if options.offline:
                 raise not_found_offline("asr", options.model, e) from e
             raise
+        self.check_language(options.language)
 
     def warm_up(self) -> None:
         """One pass on a second of faint noise, so the first user turn does not pay for it."""
         noise = np.random.default_rng(0).normal(0, 1e-3, SAMPLE_RATE_HZ).astype(np.float32)
         self.transcribe(Utterance(0, 0.0, 1.0, noise))
 
-    def transcribe(self, utterance: Utterance) -> Transcript:
+    def check_language(self, language: str) -> str:
+        """`language` if this model can transcribe it ("" lets the model detect it); else ValueError."""
+        if language and language not in self.model.supported_languages:
+            if not self.model.model.is_multilingual:
+                raise ValueError(f"the asr model {self.options.model!r} is English-only; "
+                                 f"language {language!r} needs a multilingual model (asr.model)")
+            raise ValueError(f"unknown language {language!r}: use an ISO 639-1 code such as 'en' or 'de'")
+        return language
+
+    def transcribe(self, utterance: Utterance, language: str | None = None) -> Transcript:
+        """`language`: None for `options.language`."""
         segments, _ = self.model.transcribe(
             utterance.audio,
-            language=self.options.language or None,
+            language=(self.options.language if language is None else language) or None,
             beam_size=self.options.beam_size,
             word_timestamps=True,
+            without_timestamps=self.options.without_timestamps,
             condition_on_previous_text=False,
             vad_filter=False,
             # One greedy pass: no re-decoding at higher temperatures (a cut-off partial
@@ -247,21 +264,18 @@ def _whisper_class() -> type:
     return WhisperModel
 
 
-# 10 s of mel frames (10 ms each): the least the encoder is given. 3 s was faster still
-# (~125 ms a pass against ~165 ms) but made whisper loop ("Thank you. Thank you") more often.
-ENCODER_MIN_FRAMES = 1000
 ENCODER_PAD_FRAMES = 100  # silence kept after the audio, so the decoder sees where it ends
 
 
-def trimmed_whisper_class() -> type:
+def trimmed_whisper_class(min_frames: int) -> type:
     """faster-whisper with the encoder's input cut to the audio's own length.
 
     faster-whisper pads every segment's log-mel features with zero frames to 30 s, and the
     encoder's time grows with its input: on 2 CPU cores whisper tiny.en encodes 30 s in
     ~470 ms and 10 s in ~50 ms. For a few seconds of speech nearly all of that is padding,
     paid again on every partial pass. This keeps the audio's frames plus 1-2 s of the
-    padding, and at least 10 s. Whisper was trained on 30 s windows, so this is a trade: on the
-    `specvox bench asr` set word error rates stayed within a word or two of stock
+    padding, and at least `min_frames` (10 ms each; `asr.encoder_min_s`). Whisper was trained
+    on 30 s windows, so this is a trade; `specvox bench asr` measures it against stock
     (docs/benchmarks.md); set `asr.trim_encoder_input=false` for stock behaviour.
     """
     from faster_whisper import WhisperModel
@@ -271,7 +285,7 @@ def trimmed_whisper_class() -> type:
             batch = features if features.ndim == 3 else features[None]  # [B, 80 mels, frames]
             audio_frames = np.flatnonzero(np.any(batch != 0, axis=(0, 1)))  # padding frames are exactly 0
             used = audio_frames[-1] + 1 if audio_frames.size else 0
-            keep = max(ENCODER_MIN_FRAMES, -(-used // ENCODER_PAD_FRAMES) * ENCODER_PAD_FRAMES + ENCODER_PAD_FRAMES)
+            keep = max(min_frames, -(-used // ENCODER_PAD_FRAMES) * ENCODER_PAD_FRAMES + ENCODER_PAD_FRAMES)
             return super().encode(np.ascontiguousarray(batch[..., : min(keep, batch.shape[-1])]))
 
     return TrimmedWhisper

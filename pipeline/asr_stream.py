@@ -153,9 +153,11 @@ class StreamingRecognizer:
     costs no transcription of its own.
     """
 
-    def __init__(self, options: AsrOptions, transcriber: Transcriber) -> None:
+    def __init__(self, options: AsrOptions, transcriber: Transcriber, language: str | None = None) -> None:
+        """`language`: this stream's (checked with `Transcriber.check_language`); None: `options.language`."""
         self.options = options
         self.transcriber = transcriber
+        self.language = options.language if language is None else language
         self.segmenter = UtteranceSegmenter(options)
         self.agreement = LocalAgreement(options.agreement_n)
         self._pass_index = -1  # utterance of the last pass
@@ -190,7 +192,7 @@ class StreamingRecognizer:
         return self.segmenter.silence_after_s >= margin_s > self._pass_heard_s - utterance.speech_end_s
 
     def _partial(self, utterance: Utterance) -> PartialTranscript:
-        words = self.transcriber.transcribe(utterance).words
+        words = self.transcriber.transcribe(utterance, self.language).words
         self._pass_index, self._pass_words = utterance.index, words
         self._pass_heard_s = utterance.audio_start_s + utterance.audio.size / SAMPLE_RATE_HZ
         ending = self._pass_heard_s - utterance.speech_end_s >= self.options.final_reuse_margin_ms / 1000
@@ -208,7 +210,7 @@ class StreamingRecognizer:
     def _final(self, utterance: Utterance) -> FinalTranscript:
         margin_s = self.options.final_reuse_margin_ms / 1000
         reuse = self._pass_index == utterance.index and self._pass_heard_s >= utterance.speech_end_s + margin_s
-        words = self._pass_words if reuse else self.transcriber.transcribe(utterance).words
+        words = self._pass_words if reuse else self.transcriber.transcribe(utterance, self.language).words
         final = FinalTranscript(utterance, tuple(self.agreement.finish(words)), reused_partial=reuse)
         self._pass_index, self._pass_words = -1, ()
         return final

@@ -50,5 +50,16 @@ def test_silence_closes_nothing_and_memory_stays_bounded():
     assert segmenter._buffer.size <= 2 * SAMPLE_RATE_HZ
 
 
+def test_a_streams_language_must_be_one_the_model_knows(speech, transcriber):
+    assert transcriber.check_language("en") == "en" and transcriber.check_language("") == ""
+    with pytest.raises(ValueError, match="English-only"):  # tiny.en, the bundled model
+        transcriber.check_language("de")
+    with pytest.raises(ValueError, match="English-only"):
+        Transcriber(AsrOptions(language="fr"))  # a misconfigured service fails at start, not per turn
+    closed, _ = stream(UtteranceSegmenter(AsrOptions()), speech("Thank you very much."))
+    for language in ("en", ""):  # given, or left to the model
+        assert _norm(transcriber.transcribe(closed[0], language).text) == "thank you very much"
+
+
 def _norm(text: str) -> str:
     return "".join(c for c in text.lower() if c.isalnum() or c.isspace()).strip()
