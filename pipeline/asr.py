@@ -18,6 +18,8 @@ from pipeline.models import not_found_offline, resolve_asr
 
 SAMPLE_RATE_HZ = 16_000  # what Whisper and Silero VAD expect
 VAD_FRAME_MS = 32  # Silero's window: 512 samples at 16 kHz
+VAD_WINDOW = 512
+VAD_CONTEXT = 64  # samples of the previous window the Silero model sees with each window
 MAX_TOKENS_PER_S = 10  # fast speech is ~4 words/s; more tokens than this is a repetition loop
 # Whisper fed a cut-off utterance sometimes loops ("tell me about the tell me about the"); no
 # 5-token sequence may repeat within one pass (speech rarely repeats 4 words in an utterance).
@@ -76,21 +78,75 @@ class Transcript:
     words: tuple[Word, ...]
 
 
+class SileroProbabilities:
+    """Silero speech probabilities of a growing stream, each 32 ms window computed once.
+
+    faster-whisper's `get_speech_timestamps` runs the model over the whole audio it is given;
+    called every 100 ms on a growing buffer that costs O(buffer) per check (~20 ms for 3 s on
+    this CPU). The model is causal: each window sees 64 samples of the one before and the
+    LSTM state it left, so carrying both on gives the very same probabilities (checked in
+    tests/test_asr.py) for the new windows' cost only.
+    """
+
+    def __init__(self) -> None:
+        from faster_whisper.vad import get_vad_model
+
+        self._model = get_vad_model()
+        self._state = (np.zeros((1, 1, 128), np.float32), np.zeros((1, 1, 128), np.float32))
+        self._context = np.zeros(VAD_CONTEXT, np.float32)
+        self.probs = np.zeros(0, np.float32)  # one per whole window of the audio seen
+
+    def extend(self, audio: np.ndarray) -> np.ndarray:
+        """`audio`: the stream so far (from the first window not yet dropped); returns all probabilities."""
+        new = audio[self.probs.size * VAD_WINDOW : audio.size // VAD_WINDOW * VAD_WINDOW].reshape(-1, VAD_WINDOW)
+        if new.size:
+            contexts = np.concatenate([self._context[None], new[:-1, -VAD_CONTEXT:]])
+            out, h, c = self._model.session.run(None, {"input": np.concatenate([contexts, new], axis=1),
+                                                       "h": self._state[0], "c": self._state[1]})
+            self._state, self._context = (h, c), new[-1, -VAD_CONTEXT:].copy()
+            self.probs = np.concatenate([self.probs, np.asarray(out, np.float32).reshape(-1)])
+        return self.probs
+
+    def drop(self, windows: int) -> None:
+        """The stream's first `windows` windows are no longer needed."""
+        self.probs = self.probs[windows:]
+
+
+def speech_spans(probs: np.ndarray, audio_samples: int, threshold: float, min_speech_ms: int,
+                 min_silence_ms: int) -> list[dict]:
+    """Speech spans (sample offsets) from window probabilities, as faster-whisper's
+    `get_speech_timestamps` finds them (no padding, no length cap): speech starts at a window
+    at or above `threshold`, and ends where `min_silence_ms` below `threshold - 0.15` begin;
+    spans not longer than `min_speech_ms` are dropped. A span still open runs to `audio_samples`."""
+    negative = max(threshold - 0.15, 0.01)
+    min_speech = SAMPLE_RATE_HZ * min_speech_ms / 1000
+    min_silence = SAMPLE_RATE_HZ * min_silence_ms / 1000
+    spans: list[dict] = []
+    start, silence_from = -1, 0
+    for i, p in enumerate(probs.tolist()):
+        at = i * VAD_WINDOW
+        if p >= threshold:
+            silence_from = 0
+            if start < 0:
+                start = at
+            continue
+        if start >= 0 and p < negative:
+            silence_from = silence_from or at
+            if at - silence_from >= min_silence:
+                if silence_from - start > min_speech:
+                    spans.append({"start": start, "end": silence_from})
+                start, silence_from = -1, 0
+    if start >= 0 and audio_samples - start > min_speech:
+        spans.append({"start": start, "end": audio_samples})
+    return spans
+
+
 class UtteranceSegmenter:
     """Streaming end-of-speech detection with the Silero VAD that faster-whisper ships."""
 
     def __init__(self, options: AsrOptions) -> None:
-        from faster_whisper.vad import VadOptions
-
         self.options = options
-        self._vad = VadOptions(
-            threshold=options.vad_threshold,
-            min_speech_duration_ms=options.speech_start_ms,
-            min_silence_duration_ms=options.end_of_speech_silence_ms,
-            speech_pad_ms=0,
-        )
-        self._tail_vad = VadOptions(threshold=options.vad_threshold, min_speech_duration_ms=0,
-                                    min_silence_duration_ms=VAD_FRAME_MS, speech_pad_ms=0)
+        self._probs = SileroProbabilities()
         self._buffer = np.zeros(0, np.float32)
         self._buffer_start = 0  # sample index of _buffer[0] in the stream
         self._unchecked = 0
@@ -139,9 +195,9 @@ class UtteranceSegmenter:
         Silero merges speech separated by less than `end_of_speech_silence_ms`, so
         each span but the last is a whole utterance already.
         """
-        from faster_whisper.vad import get_speech_timestamps
-
-        spans = get_speech_timestamps(self._buffer, self._vad)
+        o = self.options
+        spans = speech_spans(self._probs.extend(self._buffer), self._buffer.size, o.vad_threshold,
+                             o.speech_start_ms, o.end_of_speech_silence_ms)
         if not spans:
             self._open, self.speech_active = [], False
             self._forget_silence()
@@ -159,7 +215,8 @@ class UtteranceSegmenter:
             else:
                 break
             closed.append(self._close(first["start"], first["end"]))
-            spans = [{"start": s["start"] - first["end"], "end": s["end"] - first["end"]} for s in spans]
+            dropped = first["end"] // VAD_WINDOW * VAD_WINDOW  # what _close forgot of the buffer
+            spans = [{"start": s["start"] - dropped, "end": s["end"] - dropped} for s in spans]
         self._open, self.speech_active = spans, bool(spans)
         if spans:
             spans[-1]["end"] = self._last_speech_end(spans[-1])
@@ -172,11 +229,10 @@ class UtteranceSegmenter:
         `end_of_speech_silence_ms` has passed; a second look at the last second, with a
         short silence window, finds the end of speech as soon as it is heard.
         """
-        from faster_whisper.vad import get_speech_timestamps
-
-        tail_start = max(span["start"], self._buffer.size - SAMPLE_RATE_HZ)
-        tail = get_speech_timestamps(self._buffer[tail_start:], self._tail_vad)
-        return tail_start + tail[-1]["end"] if tail else span["start"] + 1
+        first = max(span["start"], self._buffer.size - SAMPLE_RATE_HZ) // VAD_WINDOW
+        tail = speech_spans(self._probs.probs[first:], self._buffer.size - first * VAD_WINDOW,
+                            self.options.vad_threshold, 0, VAD_FRAME_MS)
+        return first * VAD_WINDOW + tail[-1]["end"] if tail else span["start"] + 1
 
     def _close(self, start: int, end: int) -> Utterance:
         pad = self.options.transcribe_pad_ms * SAMPLE_RATE_HZ // 1000
@@ -189,17 +245,20 @@ class UtteranceSegmenter:
             audio_start_s=(self._buffer_start + lo) / SAMPLE_RATE_HZ,
         )
         self._index += 1
-        self._buffer_start += end
-        self._buffer = self._buffer[end:]
+        self._drop(end // VAD_WINDOW)
         return utterance
 
     def _forget_silence(self) -> None:
         """Keep only the last second of a silent buffer, so memory stays bounded."""
         keep = SAMPLE_RATE_HZ
         if self._buffer.size > 2 * keep:
-            drop = self._buffer.size - keep
-            self._buffer_start += drop
-            self._buffer = self._buffer[drop:]
+            self._drop((self._buffer.size - keep) // VAD_WINDOW)
+
+    def _drop(self, windows: int) -> None:
+        """Forget the buffer's first `windows` VAD windows (whole windows keep the probabilities aligned)."""
+        self._buffer_start += windows * VAD_WINDOW
+        self._buffer = self._buffer[windows * VAD_WINDOW :]
+        self._probs.drop(windows)
 
 
 class Transcriber:

@@ -6,7 +6,15 @@ import jiwer
 import numpy as np
 import pytest
 
-from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber, UtteranceSegmenter
+from pipeline.asr import (
+    SAMPLE_RATE_HZ,
+    VAD_WINDOW,
+    AsrOptions,
+    SileroProbabilities,
+    Transcriber,
+    UtteranceSegmenter,
+    speech_spans,
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +45,23 @@ def test_two_utterances_are_closed_by_silence_and_transcribed(speech, transcribe
         assert utterance.audio_start_s <= starts[0] and transcript.words[-1].end_s <= audio.size / SAMPLE_RATE_HZ
 
 
+def test_streamed_vad_probabilities_and_spans_equal_faster_whispers_whole_buffer_pass(speech):
+    from faster_whisper.vad import VadOptions, get_speech_timestamps, get_vad_model
+
+    gap = np.zeros(SAMPLE_RATE_HZ, np.float32)
+    audio = np.concatenate([gap, speech("Good morning."), gap, speech("Thank you very much."), gap])
+    audio = audio[: audio.size // VAD_WINDOW * VAD_WINDOW]
+    streamed = SileroProbabilities()
+    for end in range(1600, audio.size + 1600, 1600):  # 100 ms at a time, as the segmenter sees it
+        probs = streamed.extend(audio[:end])
+    np.testing.assert_allclose(probs, get_vad_model()(audio).reshape(-1), atol=1e-6)
+    for silence_ms in (32, 400):
+        whole = get_speech_timestamps(audio, VadOptions(threshold=0.5, min_speech_duration_ms=200,
+                                                        min_silence_duration_ms=silence_ms, speech_pad_ms=0))
+        assert speech_spans(probs, audio.size, 0.5, 200, silence_ms) == whole
+        assert len(whole) >= 2
+
+
 def test_speech_cut_off_by_the_end_of_the_stream_still_closes(speech):
     audio = speech("Good morning to you")[: -int(0.4 * SAMPLE_RATE_HZ)]  # no trailing silence
     closed, at_end = stream(UtteranceSegmenter(AsrOptions()), audio)
@@ -56,9 +81,9 @@ def test_a_streams_language_must_be_one_the_model_knows(speech, transcriber):
         transcriber.check_language("de")
     with pytest.raises(ValueError, match="English-only"):
         Transcriber(AsrOptions(language="fr"))  # a misconfigured service fails at start, not per turn
-    closed, _ = stream(UtteranceSegmenter(AsrOptions()), speech("Thank you very much."))
+    closed, at_end = stream(UtteranceSegmenter(AsrOptions()), speech("Thank you very much."))
     for language in ("en", ""):  # given, or left to the model
-        assert _norm(transcriber.transcribe(closed[0], language).text) == "thank you very much"
+        assert _norm(transcriber.transcribe((closed + at_end)[0], language).text) == "thank you very much"
 
 
 def _norm(text: str) -> str:
