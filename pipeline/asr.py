@@ -39,17 +39,25 @@ class AsrOptions:
     without_timestamps: bool = True
     vad_threshold: float = 0.5
     speech_start_ms: int = 200  # speech heard for this long starts an utterance (shorter blips are ignored)
-    end_of_speech_silence_ms: int = 400  # silence after speech for this long closes the utterance
+    # Silence after speech for this long closes the utterance (the user's turn). 250 ms is
+    # brisk: Pipecat's VAD waits 0.8 s, LiveKit 0.5 s; a pause between two sentences may
+    # split them into two turns (docs/benchmarks.md counts how often).
+    end_of_speech_silence_ms: int = 250
     vad_check_every_ms: int = 100
     partial_every_ms: int = 200  # re-transcribe the open utterance after this much new audio
     agreement_n: int = 2  # LocalAgreement-n: hypotheses that must agree before a word is committed
-    final_reuse_margin_ms: int = 200  # a partial pass that heard this much silence after the speech is the final
+    # A partial pass that heard this much silence after the speech is the final: it runs while
+    # the rest of end_of_speech_silence_ms is awaited, so the final is ready when the VAD closes.
+    final_reuse_margin_ms: int = 100
+    # Once the speech has ended, trailing words whisper is less sure of than this are dropped
+    # (its additions to the silence after an utterance; see asr_stream.spoken_words). 0: off.
+    tail_min_probability: float = 0.5
     transcribe_pad_ms: int = 300  # audio kept either side of the detected speech
     max_utterance_s: float = 25.0  # forced close: Whisper sees at most 30 s
     # Encode only the audio (plus 1-2 s of padding) instead of Whisper's whole 30 s window:
     # the encoder's cost falls with it (see TrimmedWhisper). False: stock faster-whisper.
     trim_encoder_input: bool = True
-    encoder_min_s: float = 10.0  # trim_encoder_input: the least audio (s) the encoder is given
+    encoder_min_s: float = 4.0  # trim_encoder_input: the least audio (s) the encoder is given
     offline: bool = True  # a model named by hub id must already be in the local cache
 
 
@@ -176,16 +184,21 @@ class UtteranceSegmenter:
         return self._scan(final=True)
 
     def open_utterance(self) -> Utterance | None:
-        """The utterance still being spoken, as heard so far (for partial results)."""
+        """The utterance still being spoken, as heard so far (for partial results).
+
+        Its audio stops `transcribe_pad_ms` after the last speech heard, as a closed one's does:
+        whisper given the silence that follows tends to add words to it ("Thank you.").
+        """
         if not self._open:
             return None
-        start = self._open[0]["start"]
-        lo = max(0, start - self.options.transcribe_pad_ms * SAMPLE_RATE_HZ // 1000)
+        start, end = self._open[0]["start"], self._open[-1]["end"]
+        pad = self.options.transcribe_pad_ms * SAMPLE_RATE_HZ // 1000
+        lo = max(0, start - pad)
         return Utterance(
             index=self._index,
             speech_start_s=(self._buffer_start + start) / SAMPLE_RATE_HZ,
-            speech_end_s=(self._buffer_start + self._open[-1]["end"]) / SAMPLE_RATE_HZ,
-            audio=self._buffer[lo:].copy(),
+            speech_end_s=(self._buffer_start + end) / SAMPLE_RATE_HZ,
+            audio=self._buffer[lo : end + pad].copy(),
             audio_start_s=(self._buffer_start + lo) / SAMPLE_RATE_HZ,
         )
 
