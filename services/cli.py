@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--limit", type=int, default=16, help="spec: prompts per set")
     bench.add_argument("--max-new-tokens", type=int, default=128, help="spec: tokens per prompt")
     bench.add_argument("--json", dest="json_path", help="write the rows here")
+    bench.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                       help="asr: also replay each clip with these asr settings changed (repeatable)")
+    bench.add_argument("--chunk-ms", type=int, default=100, help="asr: audio per chunk the replayed microphone sends")
     args = parser.parse_args(argv)
 
     from services.runtime import configure_logging
@@ -76,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench import spec
 
             return spec.run(settings, args.limit, args.max_new_tokens, args.json_path)
+        if args.what == "asr":
+            from bench import asr
+
+            return asr.run(settings, args.turns, args.json_path, args.variant, args.chunk_ms)
         import importlib
 
         return importlib.import_module(f"bench.{args.what}").run(settings, args.turns, args.json_path)
