@@ -6,7 +6,10 @@ audio) and by espeak-ng (when installed), with 1 s of silence before and 1.5 s a
 would deliver them. The replay keeps
 a simulated clock: a chunk "arrives" when its last sample has been spoken; while the model
 thread is busy, the chunks that arrive wait and are then fed in one go (as the asr service
-does). Each feed advances the clock by the wall time it really took on this machine.
+does). Each feed advances the clock by the wall time it really took on this machine, or with
+`--clock cpu` by the CPU time this process spent on it: on a machine shared with other work
+that is close to what the feed would take alone, as long as the model uses one thread
+(`asr.cpu_threads=1`; CPU time adds up the time of parallel threads).
 
 `--variant NAME:key=value,...` replays every clip again with those `asr.*` settings changed;
 the variants of one clip run back to back, so a busy machine slows them alike and their ratios
@@ -56,22 +59,25 @@ class Replay:
     model_s: float = 0.0
 
 
-def replay(recognizer: StreamingRecognizer, audio: np.ndarray, chunk_ms: int = 100) -> Replay:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def replay(recognizer: StreamingRecognizer, audio: np.ndarray, chunk_ms: int = 100, clock: str = "wall") -> Replay:
     chunk = chunk_ms * SAMPLE_RATE_HZ // 1000
     out, clock_s, fed = Replay(), 0.0, 0
     while fed < audio.size:
         clock_s = max(clock_s, (fed + chunk) / SAMPLE_RATE_HZ)  # wait for the next chunk if idle
         arrived = min(audio.size, int(clock_s * SAMPLE_RATE_HZ) // chunk * chunk)
-        clock_s = _timed(out, clock_s, recognizer.feed, audio[fed:arrived])
+        clock_s = _timed(out, clock_s, CLOCKS[clock], recognizer.feed, audio[fed:arrived])
         fed = arrived
-    _timed(out, clock_s, recognizer.finish)
+    _timed(out, clock_s, CLOCKS[clock], recognizer.finish)
     return out
 
 
-def _timed(out: Replay, clock_s: float, fn, *args) -> float:
-    t0 = time.perf_counter()
+def _timed(out: Replay, clock_s: float, now, fn, *args) -> float:
+    t0 = now()
     events = fn(*args)
-    spent = time.perf_counter() - t0
+    spent = now() - t0
     out.model_s += spent
     out.events += [(clock_s + spent, e) for e in events]
     return clock_s + spent
@@ -160,7 +166,7 @@ def parse_variant(spec: str, base: AsrOptions) -> tuple[str, AsrOptions]:
 
 
 def run(settings, sentences: int, json_path: str | None, variants: list[str] | None = None,
-        chunk_ms: int = 100) -> int:
+        chunk_ms: int = 100, clock: str = "wall") -> int:
     logging.getLogger("faster_whisper").setLevel(logging.WARNING)  # it logs every pass
     configs = [("default", settings.asr)] + [parse_variant(v, settings.asr) for v in variants or []]
     transcribers: dict = {}  # one model per distinct set of model settings
@@ -176,7 +182,7 @@ def run(settings, sentences: int, json_path: str | None, variants: list[str] | N
             audio = np.concatenate([np.zeros(int(LEAD_S * SAMPLE_RATE_HZ), np.float32), speech,
                                     np.zeros(int(TRAIL_S * SAMPLE_RATE_HZ), np.float32)])
             for name, options in configs:
-                result = replay(StreamingRecognizer(options, transcribers[_model_key(options)]), audio, chunk_ms)
+                result = replay(StreamingRecognizer(options, transcribers[_model_key(options)]), audio, chunk_ms, clock)
                 rows.append({"variant": name} | clip_row(voice, text, audio, (LEAD_S + start_s, LEAD_S + end_s),
                                                          result))
             print(f"  {len(rows) // len(configs)} clips", flush=True)
@@ -186,7 +192,7 @@ def run(settings, sentences: int, json_path: str | None, variants: list[str] | N
         print_table([r for r in rows if r["variant"] == name], summaries[name])
     print_comparison(summaries)
     if json_path:
-        Path(json_path).write_text(json.dumps({"summary": summaries, "chunk_ms": chunk_ms,
+        Path(json_path).write_text(json.dumps({"summary": summaries, "chunk_ms": chunk_ms, "clock": clock,
                                                "clips": rows}, indent=2) + "\n")
         print(f"wrote {json_path}")
     return 0

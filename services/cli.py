@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                        help="asr: also replay each clip with these asr settings changed (repeatable)")
     bench.add_argument("--chunk-ms", type=int, default=100, help="asr: audio per chunk the replayed microphone sends")
+    bench.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                       help="asr: time a feed by wall time, or by this process's CPU time (a busy machine)")
     args = parser.parse_args(argv)
 
     from services.runtime import configure_logging
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.what == "asr":
             from bench import asr
 
-            return asr.run(settings, args.turns, args.json_path, args.variant, args.chunk_ms)
+            return asr.run(settings, args.turns, args.json_path, args.variant, args.chunk_ms, args.clock)
         import importlib
 
         return importlib.import_module(f"bench.{args.what}").run(settings, args.turns, args.json_path)
