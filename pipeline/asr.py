@@ -43,7 +43,9 @@ class AsrOptions:
     # brisk: Pipecat's VAD waits 0.8 s, LiveKit 0.5 s; a pause between two sentences may
     # split them into two turns (docs/benchmarks.md counts how often).
     end_of_speech_silence_ms: int = 250
-    vad_check_every_ms: int = 100
+    # The VAD looks at new audio this often (each 32 ms window is computed once, so checks are
+    # cheap); a client sending 20 ms chunks gets its end of speech seen within one window.
+    vad_check_every_ms: int = 32
     partial_every_ms: int = 200  # re-transcribe the open utterance after this much new audio
     agreement_n: int = 2  # LocalAgreement-n: hypotheses that must agree before a word is committed
     # A partial pass that heard this much silence after the speech is the final: it runs while
