@@ -18,6 +18,8 @@ from pipeline.models import not_found_offline, resolve_asr
 
 SAMPLE_RATE_HZ = 16_000  # what Whisper and Silero VAD expect
 VAD_FRAME_MS = 32  # Silero's window: 512 samples at 16 kHz
+VAD_WINDOW = 512
+VAD_CONTEXT = 64  # samples of the previous window the Silero model sees with each window
 MAX_TOKENS_PER_S = 10  # fast speech is ~4 words/s; more tokens than this is a repetition loop
 # Whisper fed a cut-off utterance sometimes loops ("tell me about the tell me about the"); no
 # 5-token sequence may repeat within one pass (speech rarely repeats 4 words in an utterance).
@@ -30,20 +32,34 @@ class AsrOptions:
     device: str = "cpu"
     compute_type: str = "int8"
     cpu_threads: int = 0  # 0: CTranslate2's default
-    language: str = "en"
+    language: str = "en"  # a stream's StreamConfig.language overrides it; "": the model detects it
     beam_size: int = 1
+    # Decode text tokens only (<|notimestamps|>): word timings still come from the cross-attention
+    # alignment, and each pass emits fewer tokens (see docs/benchmarks.md for the saving).
+    without_timestamps: bool = True
     vad_threshold: float = 0.5
     speech_start_ms: int = 200  # speech heard for this long starts an utterance (shorter blips are ignored)
-    end_of_speech_silence_ms: int = 400  # silence after speech for this long closes the utterance
-    vad_check_every_ms: int = 100
+    # Silence after speech for this long closes the utterance (the user's turn). 250 ms is
+    # brisk: Pipecat's VAD waits 0.8 s, LiveKit 0.5 s; a pause between two sentences may
+    # split them into two turns (docs/benchmarks.md counts how often).
+    end_of_speech_silence_ms: int = 250
+    # The VAD looks at new audio this often (each 32 ms window is computed once, so checks are
+    # cheap); a client sending 20 ms chunks gets its end of speech seen within one window.
+    vad_check_every_ms: int = 32
     partial_every_ms: int = 200  # re-transcribe the open utterance after this much new audio
     agreement_n: int = 2  # LocalAgreement-n: hypotheses that must agree before a word is committed
-    final_reuse_margin_ms: int = 200  # a partial pass that heard this much silence after the speech is the final
+    # A partial pass that heard this much silence after the speech is the final: it runs while
+    # the rest of end_of_speech_silence_ms is awaited, so the final is ready when the VAD closes.
+    final_reuse_margin_ms: int = 100
+    # Once the speech has ended, trailing words whisper is less sure of than this are dropped
+    # (its additions to the silence after an utterance; see asr_stream.spoken_words). 0: off.
+    tail_min_probability: float = 0.5
     transcribe_pad_ms: int = 300  # audio kept either side of the detected speech
     max_utterance_s: float = 25.0  # forced close: Whisper sees at most 30 s
     # Encode only the audio (plus 1-2 s of padding) instead of Whisper's whole 30 s window:
     # the encoder's cost falls with it (see TrimmedWhisper). False: stock faster-whisper.
     trim_encoder_input: bool = True
+    encoder_min_s: float = 4.0  # trim_encoder_input: the least audio (s) the encoder is given
     offline: bool = True  # a model named by hub id must already be in the local cache
 
 
@@ -72,21 +88,75 @@ class Transcript:
     words: tuple[Word, ...]
 
 
+class SileroProbabilities:
+    """Silero speech probabilities of a growing stream, each 32 ms window computed once.
+
+    faster-whisper's `get_speech_timestamps` runs the model over the whole audio it is given;
+    called every 100 ms on a growing buffer that costs O(buffer) per check (~20 ms for 3 s on
+    this CPU). The model is causal: each window sees 64 samples of the one before and the
+    LSTM state it left, so carrying both on gives the very same probabilities (checked in
+    tests/test_asr.py) for the new windows' cost only.
+    """
+
+    def __init__(self) -> None:
+        from faster_whisper.vad import get_vad_model
+
+        self._model = get_vad_model()
+        self._state = (np.zeros((1, 1, 128), np.float32), np.zeros((1, 1, 128), np.float32))
+        self._context = np.zeros(VAD_CONTEXT, np.float32)
+        self.probs = np.zeros(0, np.float32)  # one per whole window of the audio seen
+
+    def extend(self, audio: np.ndarray) -> np.ndarray:
+        """`audio`: the stream so far (from the first window not yet dropped); returns all probabilities."""
+        new = audio[self.probs.size * VAD_WINDOW : audio.size // VAD_WINDOW * VAD_WINDOW].reshape(-1, VAD_WINDOW)
+        if new.size:
+            contexts = np.concatenate([self._context[None], new[:-1, -VAD_CONTEXT:]])
+            out, h, c = self._model.session.run(None, {"input": np.concatenate([contexts, new], axis=1),
+                                                       "h": self._state[0], "c": self._state[1]})
+            self._state, self._context = (h, c), new[-1, -VAD_CONTEXT:].copy()
+            self.probs = np.concatenate([self.probs, np.asarray(out, np.float32).reshape(-1)])
+        return self.probs
+
+    def drop(self, windows: int) -> None:
+        """The stream's first `windows` windows are no longer needed."""
+        self.probs = self.probs[windows:]
+
+
+def speech_spans(probs: np.ndarray, audio_samples: int, threshold: float, min_speech_ms: int,
+                 min_silence_ms: int) -> list[dict]:
+    """Speech spans (sample offsets) from window probabilities, as faster-whisper's
+    `get_speech_timestamps` finds them (no padding, no length cap): speech starts at a window
+    at or above `threshold`, and ends where `min_silence_ms` below `threshold - 0.15` begin;
+    spans not longer than `min_speech_ms` are dropped. A span still open runs to `audio_samples`."""
+    negative = max(threshold - 0.15, 0.01)
+    min_speech = SAMPLE_RATE_HZ * min_speech_ms / 1000
+    min_silence = SAMPLE_RATE_HZ * min_silence_ms / 1000
+    spans: list[dict] = []
+    start, silence_from = -1, 0
+    for i, p in enumerate(probs.tolist()):
+        at = i * VAD_WINDOW
+        if p >= threshold:
+            silence_from = 0
+            if start < 0:
+                start = at
+            continue
+        if start >= 0 and p < negative:
+            silence_from = silence_from or at
+            if at - silence_from >= min_silence:
+                if silence_from - start > min_speech:
+                    spans.append({"start": start, "end": silence_from})
+                start, silence_from = -1, 0
+    if start >= 0 and audio_samples - start > min_speech:
+        spans.append({"start": start, "end": audio_samples})
+    return spans
+
+
 class UtteranceSegmenter:
     """Streaming end-of-speech detection with the Silero VAD that faster-whisper ships."""
 
     def __init__(self, options: AsrOptions) -> None:
-        from faster_whisper.vad import VadOptions
-
         self.options = options
-        self._vad = VadOptions(
-            threshold=options.vad_threshold,
-            min_speech_duration_ms=options.speech_start_ms,
-            min_silence_duration_ms=options.end_of_speech_silence_ms,
-            speech_pad_ms=0,
-        )
-        self._tail_vad = VadOptions(threshold=options.vad_threshold, min_speech_duration_ms=0,
-                                    min_silence_duration_ms=VAD_FRAME_MS, speech_pad_ms=0)
+        self._probs = SileroProbabilities()
         self._buffer = np.zeros(0, np.float32)
         self._buffer_start = 0  # sample index of _buffer[0] in the stream
         self._unchecked = 0
@@ -116,16 +186,21 @@ class UtteranceSegmenter:
         return self._scan(final=True)
 
     def open_utterance(self) -> Utterance | None:
-        """The utterance still being spoken, as heard so far (for partial results)."""
+        """The utterance still being spoken, as heard so far (for partial results).
+
+        Its audio stops `transcribe_pad_ms` after the last speech heard, as a closed one's does:
+        whisper given the silence that follows tends to add words to it ("Thank you.").
+        """
         if not self._open:
             return None
-        start = self._open[0]["start"]
-        lo = max(0, start - self.options.transcribe_pad_ms * SAMPLE_RATE_HZ // 1000)
+        start, end = self._open[0]["start"], self._open[-1]["end"]
+        pad = self.options.transcribe_pad_ms * SAMPLE_RATE_HZ // 1000
+        lo = max(0, start - pad)
         return Utterance(
             index=self._index,
             speech_start_s=(self._buffer_start + start) / SAMPLE_RATE_HZ,
-            speech_end_s=(self._buffer_start + self._open[-1]["end"]) / SAMPLE_RATE_HZ,
-            audio=self._buffer[lo:].copy(),
+            speech_end_s=(self._buffer_start + end) / SAMPLE_RATE_HZ,
+            audio=self._buffer[lo : end + pad].copy(),
             audio_start_s=(self._buffer_start + lo) / SAMPLE_RATE_HZ,
         )
 
@@ -135,9 +210,9 @@ class UtteranceSegmenter:
         Silero merges speech separated by less than `end_of_speech_silence_ms`, so
         each span but the last is a whole utterance already.
         """
-        from faster_whisper.vad import get_speech_timestamps
-
-        spans = get_speech_timestamps(self._buffer, self._vad)
+        o = self.options
+        spans = speech_spans(self._probs.extend(self._buffer), self._buffer.size, o.vad_threshold,
+                             o.speech_start_ms, o.end_of_speech_silence_ms)
         if not spans:
             self._open, self.speech_active = [], False
             self._forget_silence()
@@ -155,7 +230,8 @@ class UtteranceSegmenter:
             else:
                 break
             closed.append(self._close(first["start"], first["end"]))
-            spans = [{"start": s["start"] - first["end"], "end": s["end"] - first["end"]} for s in spans]
+            dropped = first["end"] // VAD_WINDOW * VAD_WINDOW  # what _close forgot of the buffer
+            spans = [{"start": s["start"] - dropped, "end": s["end"] - dropped} for s in spans]
         self._open, self.speech_active = spans, bool(spans)
         if spans:
             spans[-1]["end"] = self._last_speech_end(spans[-1])
@@ -168,11 +244,10 @@ class UtteranceSegmenter:
         `end_of_speech_silence_ms` has passed; a second look at the last second, with a
         short silence window, finds the end of speech as soon as it is heard.
         """
-        from faster_whisper.vad import get_speech_timestamps
-
-        tail_start = max(span["start"], self._buffer.size - SAMPLE_RATE_HZ)
-        tail = get_speech_timestamps(self._buffer[tail_start:], self._tail_vad)
-        return tail_start + tail[-1]["end"] if tail else span["start"] + 1
+        first = max(span["start"], self._buffer.size - SAMPLE_RATE_HZ) // VAD_WINDOW
+        tail = speech_spans(self._probs.probs[first:], self._buffer.size - first * VAD_WINDOW,
+                            self.options.vad_threshold, 0, VAD_FRAME_MS)
+        return first * VAD_WINDOW + tail[-1]["end"] if tail else span["start"] + 1
 
     def _close(self, start: int, end: int) -> Utterance:
         pad = self.options.transcribe_pad_ms * SAMPLE_RATE_HZ // 1000
@@ -185,17 +260,20 @@ class UtteranceSegmenter:
             audio_start_s=(self._buffer_start + lo) / SAMPLE_RATE_HZ,
         )
         self._index += 1
-        self._buffer_start += end
-        self._buffer = self._buffer[end:]
+        self._drop(end // VAD_WINDOW)
         return utterance
 
     def _forget_silence(self) -> None:
         """Keep only the last second of a silent buffer, so memory stays bounded."""
         keep = SAMPLE_RATE_HZ
         if self._buffer.size > 2 * keep:
-            drop = self._buffer.size - keep
-            self._buffer_start += drop
-            self._buffer = self._buffer[drop:]
+            self._drop((self._buffer.size - keep) // VAD_WINDOW)
+
+    def _drop(self, windows: int) -> None:
+        """Forget the buffer's first `windows` VAD windows (whole windows keep the probabilities aligned)."""
+        self._buffer_start += windows * VAD_WINDOW
+        self._buffer = self._buffer[windows * VAD_WINDOW :]
+        self._probs.drop(windows)
 
 
 class Transcriber:
@@ -203,7 +281,8 @@ class Transcriber:
 
     def __init__(self, options: AsrOptions) -> None:
         self.options = options
-        model_class = trimmed_whisper_class() if options.trim_encoder_input else _whisper_class()
+        model_class = (trimmed_whisper_class(round(options.encoder_min_s * 100)) if options.trim_encoder_input
+                       else _whisper_class())
         try:
             self.model = model_class(
                 resolve_asr(options.model),
@@ -216,18 +295,30 @@ class Transcriber:
             if options.offline:
                 raise not_found_offline("asr", options.model, e) from e
             raise
+        self.check_language(options.language)
 
     def warm_up(self) -> None:
         """One pass on a second of faint noise, so the first user turn does not pay for it."""
         noise = np.random.default_rng(0).normal(0, 1e-3, SAMPLE_RATE_HZ).astype(np.float32)
         self.transcribe(Utterance(0, 0.0, 1.0, noise))
 
-    def transcribe(self, utterance: Utterance) -> Transcript:
+    def check_language(self, language: str) -> str:
+        """`language` if this model can transcribe it ("" lets the model detect it); else ValueError."""
+        if language and language not in self.model.supported_languages:
+            if not self.model.model.is_multilingual:
+                raise ValueError(f"the asr model {self.options.model!r} is English-only; "
+                                 f"language {language!r} needs a multilingual model (asr.model)")
+            raise ValueError(f"unknown language {language!r}: use an ISO 639-1 code such as 'en' or 'de'")
+        return language
+
+    def transcribe(self, utterance: Utterance, language: str | None = None) -> Transcript:
+        """`language`: None for `options.language`."""
         segments, _ = self.model.transcribe(
             utterance.audio,
-            language=self.options.language or None,
+            language=(self.options.language if language is None else language) or None,
             beam_size=self.options.beam_size,
             word_timestamps=True,
+            without_timestamps=self.options.without_timestamps,
             condition_on_previous_text=False,
             vad_filter=False,
             # One greedy pass: no re-decoding at higher temperatures (a cut-off partial
@@ -247,21 +338,18 @@ def _whisper_class() -> type:
     return WhisperModel
 
 
-# 10 s of mel frames (10 ms each): the least the encoder is given. 3 s was faster still
-# (~125 ms a pass against ~165 ms) but made whisper loop ("Thank you. Thank you") more often.
-ENCODER_MIN_FRAMES = 1000
 ENCODER_PAD_FRAMES = 100  # silence kept after the audio, so the decoder sees where it ends
 
 
-def trimmed_whisper_class() -> type:
+def trimmed_whisper_class(min_frames: int) -> type:
     """faster-whisper with the encoder's input cut to the audio's own length.
 
     faster-whisper pads every segment's log-mel features with zero frames to 30 s, and the
     encoder's time grows with its input: on 2 CPU cores whisper tiny.en encodes 30 s in
     ~470 ms and 10 s in ~50 ms. For a few seconds of speech nearly all of that is padding,
     paid again on every partial pass. This keeps the audio's frames plus 1-2 s of the
-    padding, and at least 10 s. Whisper was trained on 30 s windows, so this is a trade: on the
-    `specvox bench asr` set word error rates stayed within a word or two of stock
+    padding, and at least `min_frames` (10 ms each; `asr.encoder_min_s`). Whisper was trained
+    on 30 s windows, so this is a trade; `specvox bench asr` measures it against stock
     (docs/benchmarks.md); set `asr.trim_encoder_input=false` for stock behaviour.
     """
     from faster_whisper import WhisperModel
@@ -271,7 +359,7 @@ def trimmed_whisper_class() -> type:
             batch = features if features.ndim == 3 else features[None]  # [B, 80 mels, frames]
             audio_frames = np.flatnonzero(np.any(batch != 0, axis=(0, 1)))  # padding frames are exactly 0
             used = audio_frames[-1] + 1 if audio_frames.size else 0
-            keep = max(ENCODER_MIN_FRAMES, -(-used // ENCODER_PAD_FRAMES) * ENCODER_PAD_FRAMES + ENCODER_PAD_FRAMES)
+            keep = max(min_frames, -(-used // ENCODER_PAD_FRAMES) * ENCODER_PAD_FRAMES + ENCODER_PAD_FRAMES)
             return super().encode(np.ascontiguousarray(batch[..., : min(keep, batch.shape[-1])]))
 
     return TrimmedWhisper

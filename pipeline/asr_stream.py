@@ -23,7 +23,7 @@ from itertools import takewhile
 
 import numpy as np
 
-from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber, Utterance, UtteranceSegmenter, Word
+from pipeline.asr import AsrOptions, Transcriber, Utterance, UtteranceSegmenter, Word
 
 # Whisper's word timings jitter; a word starting this early before the last committed
 # word's end is still taken as new (the paper uses the same 0.1 s slack).
@@ -101,6 +101,22 @@ def _common_prefix(hypotheses: list[list[Word]]) -> list[Word]:
     return newest[:length]
 
 
+def spoken_words(words: Sequence[Word], utterance: Utterance, ended: bool = False,
+                 tail_min_probability: float = 0.0) -> tuple[Word, ...]:
+    """The words that begin before the VAD's end of speech; once the speech has `ended`, less
+    the trailing words whisper gave a probability below `tail_min_probability`.
+
+    Whisper, given the silence after an utterance, often goes on with words of its own
+    ("I'm going to go ahead and", "Thank you.", "and and"): timed at or after the end of the
+    speech (Silero's end already runs ~50 ms past the real one), or just before it with a low
+    probability (0.1-0.5 where the spoken words of the same passes had 0.8-1.0).
+    """
+    spoken = [w for w in words if w.start_s < utterance.speech_end_s]
+    while ended and spoken and spoken[-1].probability < tail_min_probability:
+        spoken.pop()
+    return tuple(spoken)
+
+
 @dataclass(frozen=True)
 class SpeechStarted:
     utterance_index: int
@@ -153,9 +169,11 @@ class StreamingRecognizer:
     costs no transcription of its own.
     """
 
-    def __init__(self, options: AsrOptions, transcriber: Transcriber) -> None:
+    def __init__(self, options: AsrOptions, transcriber: Transcriber, language: str | None = None) -> None:
+        """`language`: this stream's (checked with `Transcriber.check_language`); None: `options.language`."""
         self.options = options
         self.transcriber = transcriber
+        self.language = options.language if language is None else language
         self.segmenter = UtteranceSegmenter(options)
         self.agreement = LocalAgreement(options.agreement_n)
         self._pass_index = -1  # utterance of the last pass
@@ -190,10 +208,11 @@ class StreamingRecognizer:
         return self.segmenter.silence_after_s >= margin_s > self._pass_heard_s - utterance.speech_end_s
 
     def _partial(self, utterance: Utterance) -> PartialTranscript:
-        words = self.transcriber.transcribe(utterance).words
-        self._pass_index, self._pass_words = utterance.index, words
-        self._pass_heard_s = utterance.audio_start_s + utterance.audio.size / SAMPLE_RATE_HZ
-        ending = self._pass_heard_s - utterance.speech_end_s >= self.options.final_reuse_margin_ms / 1000
+        heard_s = self.segmenter.stream_s  # the pass's audio may stop short of it (silence)
+        ending = heard_s - utterance.speech_end_s >= self.options.final_reuse_margin_ms / 1000
+        words = spoken_words(self.transcriber.transcribe(utterance, self.language).words, utterance, ending,
+                             self.options.tail_min_probability)
+        self._pass_index, self._pass_words, self._pass_heard_s = utterance.index, words, heard_s
         self.agreement.update(words, math.inf if ending else self._pass_heard_s - EDGE_GUARD_S)
         return PartialTranscript(
             utterance_index=utterance.index,
@@ -208,7 +227,9 @@ class StreamingRecognizer:
     def _final(self, utterance: Utterance) -> FinalTranscript:
         margin_s = self.options.final_reuse_margin_ms / 1000
         reuse = self._pass_index == utterance.index and self._pass_heard_s >= utterance.speech_end_s + margin_s
-        words = self._pass_words if reuse else self.transcriber.transcribe(utterance).words
+        words = self._pass_words if reuse else spoken_words(
+            self.transcriber.transcribe(utterance, self.language).words, utterance, True,
+            self.options.tail_min_probability)
         final = FinalTranscript(utterance, tuple(self.agreement.finish(words)), reused_partial=reuse)
         self._pass_index, self._pass_words = -1, ()
         return final

@@ -57,7 +57,8 @@ class AsrServicer(pb_grpc.AsrServicer):
             config = await _first_config(request_iterator)
             await self.sessions.require(config.session_id)
             decoder = WireAudioDecoder(config.format)
-            recognizer = StreamingRecognizer(self.options, self.transcriber)
+            language = self.transcriber.check_language(config.language) if config.language else None
+            recognizer = StreamingRecognizer(self.options, self.transcriber, language)
             yield pb.TranscriptEvent(kind=Kind.READY, emitted_unix_ms=now_ms())
             chunks: asyncio.Queue = asyncio.Queue()
             reader = asyncio.create_task(_read_audio(request_iterator, chunks, clock))

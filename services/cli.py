@@ -58,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--token-ms", type=float, default=40.0, help="tts: a word of the reply every this many ms")
     bench.add_argument("--threads", type=int, default=0, help="tts: model threads (default: tts.threads)")
     bench.add_argument("--json", dest="json_path", help="write the rows here")
+    bench.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                       help="asr: also replay each clip with these asr settings changed (repeatable)")
+    bench.add_argument("--chunk-ms", type=int, default=100, help="asr: audio per chunk the replayed microphone sends")
+    bench.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                       help="asr: time a feed by wall time, or by this process's CPU time (a busy machine)")
     args = parser.parse_args(argv)
 
     from services.runtime import configure_logging
@@ -86,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench import spec
 
             return spec.run(settings, args.limit, args.max_new_tokens, args.json_path)
+        if args.what == "asr":
+            from bench import asr
+
+            return asr.run(settings, args.turns, args.json_path, args.variant, args.chunk_ms, args.clock)
         import importlib
 
         return importlib.import_module(f"bench.{args.what}").run(settings, args.turns, args.json_path)

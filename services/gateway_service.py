@@ -24,6 +24,7 @@ import grpc
 from pipeline.asr_stream import normalised_text
 from pipeline.audio import AudioStreamReader, PcmFormat
 from pipeline.captions import Cue, cues_from_words, webvtt_block
+from pipeline.llm.prompts import Exchange
 from services.grpc_server import StageClock, message_options, serve, status_on_error
 from services.protos import load
 from services.redis_store import now_ms
@@ -133,7 +134,7 @@ class Conversation:
         fmt = self.start.format
         try:
             await call.write(asr_pb.TranscribeRequest(config=asr_pb.StreamConfig(
-                session_id=self.start.session_id,
+                session_id=self.start.session_id, language=self.start.language,
                 format=asr_pb.AudioFormat(encoding=fmt.encoding, sample_rate_hz=fmt.sample_rate_hz,
                                           channels=fmt.channels, sample_width_bytes=fmt.sample_width_bytes),
             )))
@@ -214,7 +215,7 @@ class Conversation:
         stubs, session_id = self.servicer.stubs, self.start.session_id
         llm_call = stubs.llm.Reply(llm_pb.ReplyRequest(
             session_id=session_id, turn_id=turn.turn_id, user_text=turn.transcript.text,
-            task=llm_pb.ReplyRequest.DIALOGUE))
+            task=llm_pb.ReplyRequest.DIALOGUE, defer_history=True))
         tts_call = stubs.tts.SpeakTurn(tts_pb.SpeakTurnRequest(
             session_id=session_id, turn_id=turn.turn_id, sample_rate_hz=self.start.reply_sample_rate_hz))
         try:
@@ -231,6 +232,14 @@ class Conversation:
             turn.clock.emitted()
             self._put_report(turn)
 
+    async def _remember(self, turn: Turn) -> None:
+        """The exchange joins the session's history once the final confirmed the turn: a dropped
+        early turn, even one whose reply had already ended, never does (llm was told to defer)."""
+        await turn.confirmed.wait()  # then turn.transcript is the final
+        if turn.reply_text.strip():
+            await self.servicer.redis.sessions.append(self.start.session_id,
+                                                      Exchange(turn.transcript.text, turn.reply_text.strip()))
+
     async def _pump_reply(self, turn: Turn, call) -> None:
         async for step in call:
             turn.reply_text += step.text_delta
@@ -240,6 +249,7 @@ class Conversation:
             if step.end:
                 turn.finish_reason = step.finish_reason
                 turn.stage_times.append(_stage(step.times))
+        await self._remember(turn)
 
     async def _pump_speech(self, turn: Turn, call) -> None:
         async for event in call:

@@ -59,7 +59,8 @@ class LlmServicer(pb_grpc.LlmServicer):
             finally:
                 if not ended:  # cancelled or failed: readers of the stream must still see its end
                     self._end_stream_later(writer, reason)
-            if TASKS.get(request.task, Task.DIALOGUE) is Task.DIALOGUE and reply_text.strip():
+            dialogue = TASKS.get(request.task, Task.DIALOGUE) is Task.DIALOGUE
+            if dialogue and reply_text.strip() and not request.defer_history:
                 await self.sessions.append(request.session_id, Exchange(request.user_text, reply_text.strip()))
 
     def _end_stream_later(self, writer: TokenStreamWriter, reason: str) -> None:

@@ -6,7 +6,16 @@ import jiwer
 import numpy as np
 import pytest
 
-from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber, UtteranceSegmenter
+from pipeline.asr import (
+    SAMPLE_RATE_HZ,
+    VAD_WINDOW,
+    AsrOptions,
+    SileroProbabilities,
+    Transcriber,
+    UtteranceSegmenter,
+    speech_spans,
+)
+from pipeline.asr_stream import spoken_words
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +39,42 @@ def test_two_utterances_are_closed_by_silence_and_transcribed(speech, transcribe
     assert len(closed) == 2 and at_end == []  # both closed by silence, not by the stream's end
     assert closed[0].speech_end_s < closed[1].speech_start_s
     for utterance, reference in zip(closed, (first, second), strict=True):
-        transcript = transcriber.transcribe(utterance)
-        assert jiwer.wer(_norm(reference), _norm(transcript.text)) < 0.1, transcript.text
-        starts = [w.start_s for w in transcript.words]
+        # As the streaming recognizer takes them: without words whisper adds to the silence after.
+        words = transcriber.transcribe(utterance).words
+        spoken = spoken_words(words, utterance, True, AsrOptions().tail_min_probability)
+        text = "".join(w.text for w in spoken)
+        assert jiwer.wer(_norm(reference), _norm(text)) < 0.1, text
+        starts = [w.start_s for w in spoken]
         assert starts == sorted(starts)
-        assert utterance.audio_start_s <= starts[0] and transcript.words[-1].end_s <= audio.size / SAMPLE_RATE_HZ
+        assert utterance.audio_start_s <= starts[0] and spoken[-1].end_s <= audio.size / SAMPLE_RATE_HZ
+
+
+def test_streamed_vad_probabilities_and_spans_equal_faster_whispers_whole_buffer_pass(speech):
+    from faster_whisper.vad import VadOptions, get_speech_timestamps, get_vad_model
+
+    gap = np.zeros(SAMPLE_RATE_HZ, np.float32)
+    audio = np.concatenate([gap, speech("Good morning."), gap, speech("Thank you very much."), gap])
+    audio = audio[: audio.size // VAD_WINDOW * VAD_WINDOW]
+    streamed = SileroProbabilities()
+    for end in range(1600, audio.size + 1600, 1600):  # 100 ms at a time, as the segmenter sees it
+        probs = streamed.extend(audio[:end])
+    np.testing.assert_allclose(probs, get_vad_model()(audio).reshape(-1), atol=1e-6)
+    for silence_ms in (32, 400):
+        whole = get_speech_timestamps(audio, VadOptions(threshold=0.5, min_speech_duration_ms=200,
+                                                        min_silence_duration_ms=silence_ms, speech_pad_ms=0))
+        assert speech_spans(probs, audio.size, 0.5, 200, silence_ms) == whole
+        assert len(whole) >= 2
+
+
+def test_an_open_utterances_audio_stops_a_pad_after_the_last_speech(speech):
+    segmenter = UtteranceSegmenter(AsrOptions(end_of_speech_silence_ms=1000))
+    audio = np.concatenate([speech("Good morning to you"), np.zeros(8000, np.float32)])
+    closed = [u for i in range(0, audio.size, 1600) for u in segmenter.feed(audio[i : i + 1600])]
+    utterance = segmenter.open_utterance()
+    assert closed == [] and utterance is not None  # 0.9 s of silence so far: still open
+    audio_end_s = utterance.audio_start_s + utterance.audio.size / SAMPLE_RATE_HZ
+    assert audio_end_s == pytest.approx(utterance.speech_end_s + AsrOptions().transcribe_pad_ms / 1000, abs=0.001)
+    assert segmenter.stream_s - audio_end_s > 0.5
 
 
 def test_speech_cut_off_by_the_end_of_the_stream_still_closes(speech):
@@ -48,6 +88,17 @@ def test_silence_closes_nothing_and_memory_stays_bounded():
     closed, at_end = stream(segmenter, np.zeros(10 * SAMPLE_RATE_HZ, np.float32))
     assert closed == [] and at_end == []
     assert segmenter._buffer.size <= 2 * SAMPLE_RATE_HZ
+
+
+def test_a_streams_language_must_be_one_the_model_knows(speech, transcriber):
+    assert transcriber.check_language("en") == "en" and transcriber.check_language("") == ""
+    with pytest.raises(ValueError, match="English-only"):  # tiny.en, the bundled model
+        transcriber.check_language("de")
+    with pytest.raises(ValueError, match="English-only"):
+        Transcriber(AsrOptions(language="fr"))  # a misconfigured service fails at start, not per turn
+    closed, at_end = stream(UtteranceSegmenter(AsrOptions()), speech("Thank you very much."))
+    for language in ("en", ""):  # given, or left to the model
+        assert _norm(transcriber.transcribe((closed + at_end)[0], language).text) == "thank you very much"
 
 
 def _norm(text: str) -> str:

@@ -9,7 +9,7 @@ import jiwer
 import numpy as np
 import pytest
 
-from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber, Word
+from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber, Utterance, Word
 from pipeline.asr_stream import (
     FinalTranscript,
     LocalAgreement,
@@ -17,6 +17,7 @@ from pipeline.asr_stream import (
     SpeechStarted,
     StreamingRecognizer,
     normalised_text,
+    spoken_words,
 )
 from pipeline.audio import AudioFormatError, PcmFormat, PcmStreamDecoder
 from pipeline.captions import cues_from_words
@@ -185,3 +186,13 @@ def test_words_at_the_edge_of_the_heard_audio_stay_tentative():
     agreement.update(words("good morning to"))  # ends at 0.85 s
     assert texts(agreement.update(words("good morning to"), settled_until_s=0.6)) == ["good", "morning"]
     assert texts(agreement.tentative) == ["to"]
+
+
+def test_words_whisper_adds_to_the_silence_after_the_speech_are_dropped():
+    utterance = Utterance(0, speech_start_s=0.5, speech_end_s=2.0, audio=np.zeros(1, np.float32))
+    hypothesis = [Word(" how", 0.5, 0.8, 0.3), Word(" now?", 0.8, 1.9, 0.95), Word(" And", 1.9, 1.95, 0.3),
+                  Word(" see", 2.1, 2.1, 0.9), Word(" you", 2.1, 2.1, 0.9)]
+    assert texts(spoken_words(hypothesis, utterance)) == ["how", "now?", "And"]  # begun in silence: gone
+    # Once the speech has ended, an unsure last word goes too; an unsure word inside the speech stays.
+    assert texts(spoken_words(hypothesis, utterance, ended=True, tail_min_probability=0.5)) == ["how", "now?"]
+    assert texts(spoken_words(hypothesis, utterance, ended=False, tail_min_probability=0.5)) == ["how", "now?", "And"]

@@ -39,6 +39,7 @@ class FakeCall:
 
 class FakeLlm:
     def Reply(self, request):  # noqa: N802 - the gRPC method's name
+        assert request.defer_history  # the gateway, not llm, records the exchange once it is confirmed
         return FakeCall([llm_pb.ReplyStep(text_delta=f"Reply to: {request.user_text}", accepted=1, end=True,
                                           finish_reason="eos")])
 
@@ -52,7 +53,7 @@ class FakeTts:
 async def conversation(redis_url):
     redis = connect(redis_url)
     session_id = await SessionStore(redis).create("")
-    context = SimpleNamespace(turns=TurnStore(redis))
+    context = SimpleNamespace(turns=TurnStore(redis), sessions=SessionStore(redis))
 
     def make(preemptive: bool = True) -> Conversation:
         servicer = SimpleNamespace(settings=Settings(preemptive_generation=preemptive), redis=context,
@@ -61,6 +62,7 @@ async def conversation(redis_url):
             encoding=pb.AudioFormat.PCM_S16LE, sample_rate_hz=16_000, channels=1, sample_width_bytes=2))
         return Conversation(servicer, start)
 
+    make.history = lambda: context.sessions.history(session_id)  # type: ignore[attr-defined]
     yield make
     await redis.aclose()
 
@@ -102,6 +104,8 @@ async def test_an_early_turn_is_held_until_the_final_confirms_it(conversation):
     assert report.preemption == "kept" and report.finish_reason == "eos"
     assert (report.preemptions_kept, report.preemptions_dropped) == (1, 0)
     assert len({e.turn_id for e in events}) == 1
+    history = await conversation.history()
+    assert [(h.user, h.assistant) for h in history] == [("what is the capital of france", f"Reply to: {TEXT}")]
 
 
 async def test_an_early_turn_the_final_contradicts_is_dropped_and_replaced(conversation):
@@ -126,3 +130,16 @@ async def test_no_early_turn_without_silence_or_when_turned_off(conversation):
         await talk._on_transcript(final(TEXT))
         report = (await drain(talk))[-1].report
         assert report.preemption == "" and report.finish_reason == "eos"
+
+
+async def test_a_dropped_early_turn_whose_reply_had_ended_leaves_no_history(conversation):
+    talk = conversation()
+    await talk._on_transcript(partial("What is the capital"))
+    early = talk.turn
+    await asyncio.sleep(0.05)  # llm has written the whole early reply; the gateway holds it for the final
+    assert early.awaiting_final and await conversation.history() == ()
+    await talk._on_transcript(final(TEXT))
+    await drain(talk)
+    assert early.preemption == "dropped"
+    history = await conversation.history()
+    assert [(h.user, h.assistant) for h in history] == [(TEXT, f"Reply to: {TEXT}")]

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from pipeline.audio import float_to_pcm16
 from services.client import ClientOptions, converse, write_outputs
 from services.protos import load
-from services.redis_store import TurnStore, connect
+from services.redis_store import SessionStore, TurnStore, connect
 from tests.conftest import write_wav
 
 gw, gw_grpc = load("gateway")
@@ -140,8 +140,9 @@ async def expect_stream_status(code: grpc.StatusCode, fragment: str, call, messa
     assert fragment.lower() in (details or "").lower(), details
 
 
-def pcm_config(session: str, width: int = 2, encoding=asr.AudioFormat.PCM_S16LE, rate: int = 16_000):
-    return asr.TranscribeRequest(config=asr.StreamConfig(session_id=session, format=asr.AudioFormat(
+def pcm_config(session: str, width: int = 2, encoding=asr.AudioFormat.PCM_S16LE, rate: int = 16_000,
+               language: str = ""):
+    return asr.TranscribeRequest(config=asr.StreamConfig(session_id=session, language=language, format=asr.AudioFormat(
         encoding=encoding, sample_rate_hz=rate, channels=1, sample_width_bytes=width)))
 
 
@@ -156,6 +157,7 @@ async def test_asr_rejects_bad_input_then_transcribes(channels, session_id, spee
         (grpc.StatusCode.INVALID_ARGUMENT, "stray byte", [pcm_config(session_id),
                                                          asr.TranscribeRequest(audio=b"\x01\x02\x03")]),
         (grpc.StatusCode.INVALID_ARGUMENT, "sample rate 7 Hz", [pcm_config(session_id, rate=7), audio]),
+        (grpc.StatusCode.INVALID_ARGUMENT, "English-only", [pcm_config(session_id, language="de"), audio]),
         (grpc.StatusCode.NOT_FOUND, "unknown session", [pcm_config("no-such-session"), audio]),
         (grpc.StatusCode.INVALID_ARGUMENT, "first message", [audio]),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max",
@@ -163,7 +165,7 @@ async def test_asr_rejects_bad_input_then_transcribes(channels, session_id, spee
     ]
     for code, fragment, requests in bad:
         await expect_stream_status(code, fragment, stub.Transcribe(), requests)
-    events = [e async for e in stub.Transcribe(iter([pcm_config(session_id), audio]))]
+    events = [e async for e in stub.Transcribe(iter([pcm_config(session_id, language="en"), audio]))]
     assert events[0].kind == asr.TranscriptEvent.READY
     finals = [e for e in events if e.kind == asr.TranscriptEvent.FINAL]
     assert len(finals) == 1 and normalise(finals[0].text) == "good morning to you"
@@ -192,6 +194,17 @@ async def test_llm_rejects_bad_input_then_replies(channels, stack, session_id):
     steps = [s async for s in ask(turn_id=other_turn)]
     assert steps[-1].end and steps[-1].finish_reason in ("eos", "length")
     assert 1 <= sum(s.accepted for s in steps) <= 4
+    # A dialogue reply joins the session's history, unless the caller records it (the gateway does,
+    # once the turn is confirmed).
+    redis = connect(stack["redis"])
+    try:
+        sessions, turns = SessionStore(redis), TurnStore(redis)
+        before = await sessions.history(session_id)
+        assert before and before[-1].user == "Hi!"
+        [s async for s in ask(turn_id=await turns.create(session_id), defer_history=True)]
+        assert await sessions.history(session_id) == before
+    finally:
+        await redis.aclose()
 
 
 async def test_tts_rejects_bad_input_then_speaks(channels, session_id):
