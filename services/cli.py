@@ -45,12 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", help="float32, bfloat16, float16 or float64 (default: llm.dtype)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
-    bench.add_argument("what", choices=["turn", "asr", "spec", "spec-plots"])
+    bench.add_argument("what", choices=["turn", "asr", "spec", "spec-plots", "batch"])
     bench.add_argument("--drafter", default="suffix", help="spec-plots: the drafter swept over draft lengths")
     bench.add_argument("--out", default="docs", help="spec-plots: folder for the PNGs and JSON")
     bench.add_argument("--turns", type=int, default=8, help="turn, asr: spoken turns, or sentences per voice")
     bench.add_argument("--limit", type=int, default=16, help="spec: prompts per set")
-    bench.add_argument("--max-new-tokens", type=int, default=128, help="spec: tokens per prompt")
+    bench.add_argument("--max-new-tokens", type=int, default=128, help="spec, batch: tokens per prompt")
+    bench.add_argument("--sessions", default="1,2,4,8", help="batch: concurrent session counts to measure")
     bench.add_argument("--json", dest="json_path", help="write the rows here")
     args = parser.parse_args(argv)
 
@@ -76,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             from bench import spec
 
             return spec.run(settings, args.limit, args.max_new_tokens, args.json_path)
+        if args.what == "batch":
+            from bench import batch
+
+            sessions = tuple(int(n) for n in args.sessions.split(","))
+            return batch.run(settings, args.max_new_tokens, args.json_path, sessions)
         import importlib
 
         return importlib.import_module(f"bench.{args.what}").run(settings, args.turns, args.json_path)
