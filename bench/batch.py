@@ -20,7 +20,9 @@ from pipeline.llm.model import load_draft_model, load_model
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 
 SESSIONS = (1, 2, 4, 8)
-DRAFTERS = ("none", "suffix")  # plain decoding and the best model-free drafter of `bench spec`
+# Plain decoding and the best model-free drafter of `bench spec`, the latter also with the
+# verification pass capped at 16 positions (rows × (γ + 1), see pipeline/llm/batch.py).
+VARIANTS = (("none", None), ("suffix", None), ("suffix", 16))
 
 
 def run(settings, max_new_tokens: int, json_path: str | None, sessions: tuple[int, ...] = SESSIONS) -> int:
@@ -30,14 +32,18 @@ def run(settings, max_new_tokens: int, json_path: str | None, sessions: tuple[in
     dialogue = load_prompts()["dialogue"]
     encoded = [tuple(encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, p))) for p in dialogue]
     rows = []
-    for drafter in DRAFTERS:
+    alone: dict[tuple[str, int], tuple[float, list[list[int]]]] = {}
+    for drafter, max_verify_tokens in VARIANTS:
         for n in sessions:
             requests = [GenerationRequest(encoded[i % len(encoded)], max_new_tokens, drafter) for i in range(n)]
-            one_s, one_out = _one_at_a_time(generator, requests)
-            batch_s, batch_out, widths = _batched(generator, requests)
+            if (drafter, n) not in alone:  # the single path has no cap: measure it once
+                alone[drafter, n] = _one_at_a_time(generator, requests)
+            one_s, one_out = alone[drafter, n]
+            batch_s, batch_out, widths = _batched(generator, requests, max_verify_tokens)
             tokens = sum(map(len, batch_out))
             row = {
-                "drafter": drafter, "sessions": n, "max_new_tokens": max_new_tokens,
+                "drafter": drafter, "max_verify_tokens": max_verify_tokens, "sessions": n,
+                "max_new_tokens": max_new_tokens,
                 "dtype": settings.llm.dtype, "device": settings.llm.device,
                 "one_at_a_time_tokens_per_s": round(sum(map(len, one_out)) / one_s, 2),
                 "batched_tokens_per_s": round(tokens / batch_s, 2),
@@ -46,7 +52,8 @@ def run(settings, max_new_tokens: int, json_path: str | None, sessions: tuple[in
             }
             row["batched_speedup"] = round(row["batched_tokens_per_s"] / row["one_at_a_time_tokens_per_s"], 3)
             rows.append(row)
-            print(f"  {drafter:<7} N={n}  one-at-a-time {row['one_at_a_time_tokens_per_s']:7.1f} tok/s  "
+            print(f"  {drafter:<7} cap={max_verify_tokens} N={n}  "
+                  f"one-at-a-time {row['one_at_a_time_tokens_per_s']:7.1f} tok/s  "
                   f"batched {row['batched_tokens_per_s']:7.1f} tok/s", flush=True)
     print_table(rows)
     if json_path:
@@ -61,8 +68,9 @@ def _one_at_a_time(generator: Generator, requests: list[GenerationRequest]) -> t
     return time.perf_counter() - started, outputs
 
 
-def _batched(generator: Generator, requests: list[GenerationRequest]) -> tuple[float, list[list[int]], list[int]]:
-    decoder = BatchedDecoder(generator, max_batch_size=len(requests))
+def _batched(generator: Generator, requests: list[GenerationRequest], max_verify_tokens: int | None
+             ) -> tuple[float, list[list[int]], list[int]]:
+    decoder = BatchedDecoder(generator, max_batch_size=len(requests), max_verify_tokens=max_verify_tokens)
     started = time.perf_counter()
     index = {id(decoder.add(r)): i for i, r in enumerate(requests)}
     outputs: list[list[int]] = [[] for _ in requests]
@@ -73,9 +81,10 @@ def _batched(generator: Generator, requests: list[GenerationRequest]) -> tuple[f
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'drafter':<8} {'N':>2} {'one-at-a-time tok/s':>20} {'batched tok/s':>14} {'speedup':>8} "
+    print(f"\n{'drafter':<8} {'cap':>4} {'N':>2} {'one-at-a-time tok/s':>20} {'batched tok/s':>14} {'speedup':>8} "
           f"{'rows/step':>10} {'identical':>10}")
     for r in rows:
-        print(f"{r['drafter']:<8} {r['sessions']:>2} {r['one_at_a_time_tokens_per_s']:>20.1f} "
+        cap = "-" if r["max_verify_tokens"] is None else r["max_verify_tokens"]
+        print(f"{r['drafter']:<8} {cap:>4} {r['sessions']:>2} {r['one_at_a_time_tokens_per_s']:>20.1f} "
               f"{r['batched_tokens_per_s']:>14.1f} {r['batched_speedup']:>7.2f}x {r['mean_rows_per_step']:>10.2f} "
               f"{str(r['identical']):>10}")

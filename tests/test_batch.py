@@ -24,11 +24,12 @@ import pytest
 import torch
 
 from bench.prompts import load_prompts
-from pipeline.llm.batch import BatchedDecoder
+from pipeline.llm.batch import BatchedDecoder, BatchScheduler
 from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator
 from pipeline.llm.model import LlmOptions, load_model
 from pipeline.llm.prompts import DEFAULT_PERSONA, Task, chat_messages, encode_chat, fit_history
 from pipeline.llm.sampling import SamplingOptions
+from services.grpc_server import ModelWorker
 from services.protos import load
 from services.runtime import open_redis
 from services.settings import Settings
@@ -62,10 +63,13 @@ class Scheduled:
     should_stop: Callable[[], bool] = lambda: False
 
 
-def run_batched(generator: Generator, schedule: list[Scheduled], max_batch_size: int
-                ) -> tuple[list[list[DecodeStep]], BatchedDecoder]:
-    """Steps of each scheduled request through one BatchedDecoder; arrivals wait for room."""
-    decoder = BatchedDecoder(generator, max_batch_size)
+def run_batched(generator: Generator, schedule: list[Scheduled], max_batch_size: int,
+                max_verify_tokens: int | None = None) -> tuple[list[list[DecodeStep]], BatchedDecoder]:
+    """Steps of each scheduled request through one BatchedDecoder; arrivals wait for room.
+
+    Without a cap on the pass, each row drafts as long as it would alone, so model-free
+    rows line up with the single path step for step."""
+    decoder = BatchedDecoder(generator, max_batch_size, max_verify_tokens)
     waiting = sorted(range(len(schedule)), key=lambda i: schedule[i].join_at)
     steps: list[list[DecodeStep]] = [[] for _ in schedule]
     index: dict[int, int] = {}
@@ -105,12 +109,16 @@ def stop_after(calls: int) -> Callable[[], bool]:
     return should_stop
 
 
-def test_greedy_rows_equal_the_single_request_generator_for_every_drafter(tiny):
-    schedule = [
-        Scheduled(GenerationRequest(encode(tiny, text), 16 + (37 * i) % 81, DRAFTERS[i % len(DRAFTERS)]),
+def greedy_schedule(generator: Generator) -> list[Scheduled]:
+    return [
+        Scheduled(GenerationRequest(encode(generator, text), 16 + (37 * i) % 81, DRAFTERS[i % len(DRAFTERS)]),
                   join_at=(5 * i) % 23)
         for i, text in enumerate(ALL_PROMPTS)
     ]
+
+
+def test_greedy_rows_equal_the_single_request_generator_for_every_drafter(tiny):
+    schedule = greedy_schedule(tiny)
     batched, decoder = run_batched(tiny, schedule, max_batch_size=5)
     for item, steps in zip(schedule, batched, strict=True):
         reference = alone(tiny, item)
@@ -126,6 +134,14 @@ def test_greedy_rows_equal_the_single_request_generator_for_every_drafter(tiny):
     accepted = {d: sum(s.stats.accepted_draft_tokens for item, steps in zip(schedule, batched, strict=True)
                        for s in steps if s.stats and item.request.drafter == d) for d in DRAFTERS[1:]}
     assert all(accepted.values()), f"some drafter never had a token accepted: {accepted}"
+
+
+def test_greedy_rows_with_the_pass_capped_still_equal_the_single_request_generator(tiny):
+    schedule = greedy_schedule(tiny)[::3]
+    batched, decoder = run_batched(tiny, schedule, max_batch_size=4, max_verify_tokens=10)
+    for item, steps in zip(schedule, batched, strict=True):
+        assert tokens(steps) == tokens(alone(tiny, item)), item.request.drafter
+    assert decoder.counters.largest_pass <= 10 and decoder.counters.ragged_steps > 0
 
 
 @pytest.mark.parametrize("sampling", [
@@ -198,6 +214,28 @@ def test_bad_requests_are_refused_when_they_join(tiny):
         decoder.add(GenerationRequest((1, 2), 4))
     with pytest.raises(ValueError, match="at least 1"):
         BatchedDecoder(tiny, 0)
+
+
+async def test_the_scheduler_streams_each_caller_its_own_steps_and_drops_a_caller_that_leaves(tiny):
+    scheduler = BatchScheduler(BatchedDecoder(tiny, 4, max_verify_tokens=None), ModelWorker("test-llm").call)
+    leaving, staying = (GenerationRequest(encode(tiny, text), n, d)
+                        for text, n, d in ((ALL_PROMPTS[0], 64, "none"), (ALL_PROMPTS[1], 24, "ngram")))
+
+    async def leave_after_two_steps() -> list[DecodeStep]:
+        stream = scheduler.steps(leaving)
+        got = [await anext(stream) for _ in range(2)]
+        await stream.aclose()
+        return got
+
+    async def stay() -> list[DecodeStep]:
+        return [step async for step in scheduler.steps(staying)]
+
+    left, stayed = await asyncio.gather(leave_after_two_steps(), stay())
+    while scheduler.decoder.rows:
+        await asyncio.sleep(0.01)
+    assert tokens(left) == tokens(alone(tiny, Scheduled(leaving)))[: len(tokens(left))]
+    assert same_steps(stayed, alone(tiny, Scheduled(staying)))
+    assert scheduler.decoder.counters.steps <= 25  # the 64-token row left instead of running on
 
 
 async def test_the_llm_service_answers_two_concurrent_replies_in_one_batch(redis_url, tiny_llm_dir):

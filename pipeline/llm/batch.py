@@ -38,6 +38,10 @@ from pipeline.llm.sampling import apply_repetition_penalty, greedy_verify, logit
 
 COMPACT_MIN_HOLES = 32  # compact once every row has at least this many dead slots …
 COMPACT_FRACTION = 0.25  # … and they are this share of the cache
+# Rows × (longest draft + 1) a verification pass may hold; None: no cap. Padded to the longest
+# draft, a batch's pass grows with rows × γ, and past a few dozen positions a CPU pass is
+# bound by arithmetic, so long drafts for many rows cost more than they commit.
+MAX_VERIFY_TOKENS: int | None = None
 
 
 class BatchRow:
@@ -63,9 +67,9 @@ class BatchRow:
         self.draft_s = 0.0
         self.committed: list[int] = []
 
-    def propose(self) -> None:
+    def propose(self, max_gamma: int) -> None:
         remaining = self.request.max_new_tokens - len(self.new)
-        gamma = self.control.next_gamma(remaining - 1) if self.drafter.name != "none" else 0
+        gamma = self.control.next_gamma(min(remaining - 1, max_gamma)) if self.drafter.name != "none" else 0
         started = time.perf_counter()
         draft = self.drafter.propose(self.context, gamma) if gamma else EMPTY
         self.draft_s = time.perf_counter() - started
@@ -138,6 +142,7 @@ class BatchCounters:
     compactions: int = 0
     ragged_steps: int = 0  # steps whose rows drafted different lengths
     widths: list[int] = field(default_factory=list)  # rows per step
+    largest_pass: int = 0  # the most positions (rows × (longest draft + 1)) one pass verified
 
 
 class BatchedDecoder:
@@ -149,17 +154,26 @@ class BatchedDecoder:
     Not thread-safe: call it from one thread (the model worker).
     """
 
-    def __init__(self, generator: Generator, max_batch_size: int = 8) -> None:
+    def __init__(self, generator: Generator, max_batch_size: int = 8,
+                 max_verify_tokens: int | None = MAX_VERIFY_TOKENS) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
         self.generator, self.loaded = generator, generator.loaded
         self.max_batch_size = max_batch_size
+        self.max_verify_tokens = max_verify_tokens
         self.rows: list[BatchRow] = []
         self.cache = None  # a DynamicCache [B, H, L, D] per layer, or None while L = 0
         self.kept = torch.zeros((0, 0), dtype=torch.bool, device=self.loaded.device)  # [B, L]: live slots
         tokenizer = self.loaded.tokenizer
         self.pad_id = int(getattr(tokenizer, "pad_token_id", None) or 0)
         self.counters = BatchCounters()
+
+    @property
+    def max_gamma(self) -> int:
+        """The longest draft any row may verify this step: the pass's width times its rows stays in budget."""
+        if self.max_verify_tokens is None:
+            return 1 << 30
+        return max(0, self.max_verify_tokens // max(1, len(self.rows)) - 1)
 
     @property
     def room(self) -> int:
@@ -195,7 +209,7 @@ class BatchedDecoder:
         if not self.rows:
             return out
         for row in self.rows:
-            row.propose()
+            row.propose(self.max_gamma)
         logits, target_s = self._verify_forward()
         finished = []
         for i, row in enumerate(self.rows):
@@ -239,6 +253,7 @@ class BatchedDecoder:
         counters.padded_slots += int((~live).sum())
         counters.ragged_steps += len({len(row.draft) for row in self.rows}) > 1
         counters.widths.append(len(self.rows))
+        counters.largest_pass = max(counters.largest_pass, ids.numel())
         return logits, target_s
 
     def _join(self, cache, length: int) -> None:
