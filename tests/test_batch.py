@@ -217,6 +217,7 @@ def test_bad_requests_are_refused_when_they_join(tiny):
 
 
 async def test_the_scheduler_streams_each_caller_its_own_steps_and_drops_a_caller_that_leaves(tiny):
+    """Three callers at once: one leaves after two steps, one runs to the end, one is refused."""
     scheduler = BatchScheduler(BatchedDecoder(tiny, 4, max_verify_tokens=None), ModelWorker("test-llm").call)
     leaving, staying = (GenerationRequest(encode(tiny, text), n, d)
                         for text, n, d in ((ALL_PROMPTS[0], 64, "none"), (ALL_PROMPTS[1], 24, "ngram")))
@@ -230,7 +231,15 @@ async def test_the_scheduler_streams_each_caller_its_own_steps_and_drops_a_calle
     async def stay() -> list[DecodeStep]:
         return [step async for step in scheduler.steps(staying)]
 
-    left, stayed = await asyncio.gather(leave_after_two_steps(), stay())
+    async def refused() -> BaseException | None:
+        try:
+            [step async for step in scheduler.steps(GenerationRequest((), 8))]
+        except ValueError as e:
+            return e
+        return None
+
+    left, stayed, error = await asyncio.gather(leave_after_two_steps(), stay(), refused())
+    assert error is not None and "empty" in str(error)  # that caller alone hears of its bad request
     while scheduler.decoder.rows:
         await asyncio.sleep(0.01)
     assert tokens(left) == tokens(alone(tiny, Scheduled(leaving)))[: len(tokens(left))]

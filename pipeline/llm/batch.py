@@ -196,9 +196,9 @@ class BatchedDecoder:
         self.rows.append(row)
         return row
 
-    def remove(self, row: BatchRow) -> None:
-        """Drop a row without a last step (its caller has gone)."""
-        self._leave([self.rows.index(row)])
+    def clear(self) -> None:
+        """Drop every row and the cache (after a failed step, whose state cannot be trusted)."""
+        self.rows, self.cache, self.kept = [], None, self.kept[:0, :0]
 
     @torch.inference_mode()
     def step(self) -> list[tuple[BatchRow, DecodeStep]]:
@@ -285,7 +285,7 @@ class BatchedDecoder:
         stay = [i for i in range(len(self.rows)) if i not in gone]
         self.rows = [self.rows[i] for i in stay]
         if not self.rows:
-            self.cache, self.kept = None, self.kept[:0, :0]
+            self.clear()
             return
         index = torch.tensor(stay, device=self.loaded.device)
         self.kept = self.kept.index_select(0, index)
@@ -371,8 +371,7 @@ class BatchScheduler:
                 for queue in [*self._queues.values(), *(p.queue for p in admit)]:
                     queue.put_nowait(e)
                 self._queues.clear()
-                self.decoder.rows, self.decoder.cache = [], None
-                self.decoder.kept = self.decoder.kept[:0, :0]
+                self.decoder.clear()
                 continue
             for key, item in results:
                 queue = self._queues[key]
