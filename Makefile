@@ -2,8 +2,12 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
+COQUI_VENV ?= .venv-coqui
+# What `make test` builds besides the main env; `make test COQUI=` leaves the Coqui env out
+# (its tests then skip, except in CI, where they fail).
+COQUI ?= coqui
 
-.PHONY: install protos demo test lint up clean
+.PHONY: install coqui protos demo test lint up clean
 
 install: $(VENV)/.installed
 
@@ -18,6 +22,18 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m services.protos
 	touch $@
 
+coqui: $(COQUI_VENV)/.installed
+
+# The Coqui TTS backend's own environment: coqui-tts needs a torch/torchaudio/torchcodec set
+# that cannot sit beside the pinned torch 2.13 (see requirements/coqui.txt). specvox goes in
+# with --no-deps, so pip keeps this env's torch 2.9.1. About 7.6 GB: PyPI's torch is the CUDA build.
+$(COQUI_VENV)/.installed: requirements/coqui.txt pyproject.toml
+	$(PYTHON) -m venv $(COQUI_VENV)
+	$(COQUI_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(COQUI_VENV)/bin/pip install --quiet -r requirements/coqui.txt
+	$(COQUI_VENV)/bin/pip install --quiet --no-deps -e .
+	touch $@
+
 protos: install
 	$(BIN)/python -m services.protos
 
@@ -28,11 +44,11 @@ lint: install
 	$(BIN)/ruff check pipeline services tests bench
 	$(BIN)/mypy pipeline
 
-test: lint
-	$(BIN)/python -m pytest
+test: lint $(COQUI)
+	SPECVOX_COQUI_PYTHON=$(abspath $(COQUI_VENV))/bin/python $(BIN)/python -m pytest
 
 up: install
 	$(BIN)/specvox up
 
 clean:
-	rm -rf $(VENV) services/gen out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(COQUI_VENV) services/gen out .pytest_cache .mypy_cache .ruff_cache

@@ -1,9 +1,10 @@
-"""Caption cues, written as WebVTT with webvtt-py: the reply's phrases, and the user's words from their timings."""
+"""Caption cues, written as WebVTT and SRT with webvtt-py: the reply's phrases and words, and the user's words."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import webvtt
@@ -36,6 +37,29 @@ def to_webvtt_caption(cue: Cue) -> webvtt.Caption:
 def webvtt_document(cues: Iterable[Cue]) -> str:
     vtt = webvtt.WebVTT(captions=[to_webvtt_caption(c) for c in cues])
     return vtt.content
+
+
+def srt_document(cues: Iterable[Cue]) -> str:
+    out = io.StringIO()
+    webvtt.WebVTT(captions=[to_webvtt_caption(c) for c in cues]).write(out, format="srt")
+    return out.getvalue()
+
+
+@dataclass
+class CaptionTrack:
+    """A reply's cues as they are made: one per phrase, and one per word."""
+
+    phrases: list[Cue] = field(default_factory=list)
+    words: list[Cue] = field(default_factory=list)
+
+    def documents(self) -> dict[str, str]:
+        """WebVTT and SRT for both tracks, keyed phrases_webvtt, words_webvtt, phrases_srt, words_srt."""
+        return {
+            "phrases_webvtt": webvtt_document(self.phrases),
+            "words_webvtt": webvtt_document(self.words),
+            "phrases_srt": srt_document(self.phrases),
+            "words_srt": srt_document(self.words),
+        }
 
 
 def webvtt_block(cue: Cue) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,9 @@ START_ORDER = ("tts", "asr", "llm", "gateway")  # the gateway last: it calls the
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specvox", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("up", help="start Redis (embedded unless configured) and all four services on loopback")
+    up_parser = sub.add_parser("up", help="start Redis (embedded unless configured) and all four services on loopback")
+    up_parser.add_argument("--tts-python", help="run the tts service with this interpreter (e.g. the Coqui env's, "
+                                                ".venv-coqui/bin/python); default: settings.tts_python, else this one")
     serve = sub.add_parser("serve", help="start one service alone")
     serve.add_argument("service", choices=SERVICES)
     client = sub.add_parser("client", help="stream a WAV to the gateway and save the reply")
@@ -45,13 +48,16 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", help="float32, bfloat16, float16 or float64 (default: llm.dtype)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
-    bench.add_argument("what", choices=["turn", "asr", "spec", "spec-plots", "batch"])
+    bench.add_argument("what", choices=["turn", "asr", "spec", "spec-plots", "tts", "batch"])
     bench.add_argument("--drafter", default="suffix", help="spec-plots: the drafter swept over draft lengths")
     bench.add_argument("--out", default="docs", help="spec-plots: folder for the PNGs and JSON")
     bench.add_argument("--turns", type=int, default=8, help="turn, asr: spoken turns, or sentences per voice")
     bench.add_argument("--limit", type=int, default=16, help="spec: prompts per set")
     bench.add_argument("--max-new-tokens", type=int, default=128, help="spec, batch: tokens per prompt")
     bench.add_argument("--sessions", default="1,2,4,8", help="batch: concurrent session counts to measure")
+    bench.add_argument("--backend", default="", help="tts: piper or coqui (default: tts.backend)")
+    bench.add_argument("--token-ms", type=float, default=40.0, help="tts: a word of the reply every this many ms")
+    bench.add_argument("--threads", type=int, default=0, help="tts: model threads (default: tts.threads)")
     bench.add_argument("--json", dest="json_path", help="write the rows here")
     args = parser.parse_args(argv)
 
@@ -61,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(os.environ.get("SPECVOX_LOG_LEVEL", "WARNING" if args.command == "client" else "INFO"))
     settings = Settings()
     if args.command == "up":
-        return up(settings)
+        return up(settings, args.tts_python or settings.tts_python)
     if args.command == "serve":
         return serve_one(settings, args.service)
     if args.command == "client":
@@ -73,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench import spec_plots
 
             return spec_plots.run(settings, args.drafter, args.limit, args.max_new_tokens, args.out)
+        if args.what == "tts":
+            from bench import tts
+
+            return tts.run(settings, args.backend, args.token_ms, args.threads, args.json_path)
         if args.what == "spec":
             from bench import spec
 
@@ -100,10 +110,23 @@ def serve_one(settings, service: str) -> int:
     return 0
 
 
-def up(settings) -> int:
-    """Run every service as its own process (models load in parallel, no shared GIL)."""
+def up(settings, tts_python: str = "") -> int:
+    """Run every service as its own process (models load in parallel, no shared GIL).
+
+    The tts service may run under another interpreter: the Coqui backend's environment
+    cannot share this one's torch.
+    """
     from services import protos
     from services.redis_store import EmbeddedRedis
+
+    pythons = {name: sys.executable for name in SERVICES}
+    if tts_python:
+        resolved = shutil.which(tts_python)
+        if resolved is None:
+            print(f"specvox: the tts interpreter {tts_python!r} does not exist (for the Coqui backend: make coqui)",
+                  file=sys.stderr)
+            return 2
+        pythons["tts"] = resolved
 
     if protos.is_stale():  # once here, not in four children racing to write the same files
         protos.build()
@@ -124,12 +147,13 @@ def up(settings) -> int:
     signal.signal(signal.SIGTERM, stop)
     try:
         for name in START_ORDER:
-            children[name] = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", name], env=env)
+            children[name] = subprocess.Popen([pythons[name], "-m", "services.cli", "serve", name], env=env)
         if not _wait_healthy(settings, children, lambda: stopping):
             return 1
         print("specvox: all services ready", flush=True)
         for name in SERVICES:
-            print(f"  {name:<8} {settings.address(name)}", flush=True)
+            other = f"  ({pythons[name]})" if pythons[name] != sys.executable else ""
+            print(f"  {name:<8} {settings.address(name)}{other}", flush=True)
         print("  redis    " + (embedded.url if embedded else str(settings.redis_url)), flush=True)
         print("specvox: Ctrl-C stops everything", flush=True)
         while not stopping:
@@ -227,9 +251,10 @@ def say_to_file(settings, text: str, out: str, sample_rate_hz: int, pad_s: float
     import numpy as np
 
     from pipeline.audio import float_to_pcm16, wav_bytes
-    from pipeline.tts.piper_backend import PiperSynthesizer
+    from pipeline.tts.backend import load_synthesizer
+    from pipeline.tts.speech_text import speech_text
 
-    audio = PiperSynthesizer(settings.tts).synthesize(text, sample_rate_hz)
+    audio = load_synthesizer(settings.tts).synthesize(speech_text(text).spoken, sample_rate_hz)  # as tts says it
     pad = np.zeros(int(pad_s * sample_rate_hz), np.float32)
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "wb") as f:

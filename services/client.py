@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 
 from pipeline.audio import read_wav, wav_bytes
-from pipeline.captions import Cue, webvtt_document
+from pipeline.captions import Cue, srt_document, webvtt_document
 from services.grpc_server import message_options
 from services.protos import load
 
@@ -42,7 +42,8 @@ class TurnResult:
     reply_text: str = ""
     audio: list[tuple[float, bytes]] = field(default_factory=list)  # (start_s, pcm)
     sample_rate_hz: int = 0
-    cues: list[Cue] = field(default_factory=list)
+    cues: list[Cue] = field(default_factory=list)  # one per phrase of the reply
+    word_cues: list[Cue] = field(default_factory=list)  # one per word of the reply
     first_audio_unix_ms: int = 0
     report: dict = field(default_factory=dict)
     utterance_index: int = -1
@@ -120,6 +121,8 @@ def _record(turn: TurnResult, event: pb.ServerEvent, started_unix_s: float) -> N
         turn.audio.append((event.audio.start_s, event.audio.pcm_s16le))
     elif kind == "cue":
         turn.cues.append(Cue(event.cue.start_s, event.cue.end_s, event.cue.text))
+    elif kind == "word":
+        turn.word_cues.append(Cue(event.word.start_s, event.word.end_s, event.word.text))
     elif kind == "report":
         turn.report = report_dict(turn, event.report, started_unix_s)
 
@@ -153,7 +156,8 @@ def report_dict(turn: TurnResult, report: pb.TurnReport, started_unix_s: float) 
 
 
 def write_outputs(turns: list[TurnResult], out_dir: str) -> dict:
-    """reply.wav, captions.vtt, user_captions.vtt and report.json for the conversation's last complete turn."""
+    """reply.wav, captions.vtt (and .srt), word_captions.vtt, user_captions.vtt and report.json
+    for the conversation's last complete turn."""
     done = [t for t in turns if t.report]
     if not done:
         raise RuntimeError("the gateway finished no turn: was there speech in the audio?")
@@ -162,6 +166,8 @@ def write_outputs(turns: list[TurnResult], out_dir: str) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "reply.wav").write_bytes(wav_bytes(turn.reply_pcm(), turn.sample_rate_hz))
     (out / "captions.vtt").write_text(webvtt_document(turn.cues))
+    (out / "captions.srt").write_text(srt_document(turn.cues))
+    (out / "word_captions.vtt").write_text(webvtt_document(turn.word_cues))
     (out / "user_captions.vtt").write_text(webvtt_document(turn.user_cues))
     (out / "report.json").write_text(json.dumps(turn.report, indent=2) + "\n")
     return turn.report

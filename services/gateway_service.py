@@ -36,6 +36,7 @@ llm_pb, llm_grpc = load("llm")
 tts_pb, tts_grpc = load("tts")
 log = logging.getLogger(__name__)
 END = object()
+SPOKEN = frozenset({"reply_text", "audio", "cue", "word"})  # a cancelled turn's events still queued are dropped
 
 
 class AudioArrivalClock:
@@ -105,6 +106,7 @@ class Conversation:
         self.events: asyncio.Queue = asyncio.Queue()
         self.turn: Turn | None = None
         self.preemptions = PreemptionCounts()
+        self.cancelled_turns: set[str] = set()
         self._input_error: Exception | None = None
 
     async def run(self, client_messages: AsyncIterator) -> None:
@@ -201,6 +203,7 @@ class Conversation:
     async def _cancel_turn(self) -> None:
         turn = self.turn
         if turn and turn.task and not turn.task.done():
+            self.cancelled_turns.add(turn.turn_id)  # what it queued for the client is dropped too
             turn.task.cancel()
             await asyncio.gather(turn.task, return_exceptions=True)
             if not turn.reported:  # cancelled before it ran a line: it still gets its report
@@ -247,11 +250,11 @@ class Conversation:
                 a = event.audio
                 await self._send(turn, audio=pb.AudioChunk(
                     pcm_s16le=a.pcm_s16le, sample_rate_hz=a.sample_rate_hz, start_s=a.start_s))
-            elif kind == "cue":
-                c = event.cue
+            elif kind in ("cue", "word"):
+                c = getattr(event, kind)
                 block = webvtt_block(Cue(c.start_s, c.end_s, c.text))
-                await self._send(turn, cue=pb.CaptionCue(start_s=c.start_s, end_s=c.end_s, text=c.text,
-                                                         webvtt=block))
+                await self._send(turn, **{kind: pb.CaptionCue(start_s=c.start_s, end_s=c.end_s, text=c.text,
+                                                               webvtt=block)})
             elif kind == "times":
                 turn.stage_times.append(_stage(event.times))
 
@@ -323,6 +326,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                 while (event := await conversation.events.get()) is not END:
                     if isinstance(event, BaseException):
                         raise event
+                    if event.turn_id in conversation.cancelled_turns and event.WhichOneof("event") in SPOKEN:
+                        continue  # a barge-in: the user no longer hears this turn
                     yield event
             finally:
                 runner.cancel()

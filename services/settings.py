@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     asr_address: str = ""
     llm_address: str = ""
     tts_address: str = ""
+    # The interpreter `specvox up` runs the tts service with; empty: the one running `up`.
+    # The Coqui backend needs its own environment: tts_python = ".venv-coqui/bin/python".
+    tts_python: str = ""
     max_message_bytes: int = 4 * 1024 * 1024
     turn_budget_ms: int = 800
     token_stream_ttl_s: int = 3600

@@ -1,4 +1,9 @@
-"""The tts gRPC service: tails a turn's token stream (or takes text), returns audio and cues."""
+"""The tts gRPC service: tails a turn's token stream (or takes text), returns audio and cues.
+
+Synthesis runs in the model's worker thread one piece (a sentence of a phrase) at a
+time, so a cancelled call (a barge-in) stops after the piece in hand and nothing
+queued behind it is made or sent.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pipeline.audio import float_to_pcm16
+from pipeline.tts.backend import Synthesizer, load_synthesizer
 from pipeline.tts.phrases import PhraseCutter, PhraseOptions
-from pipeline.tts.piper_backend import PiperSynthesizer
-from pipeline.tts.speaker import ReplySpeaker, SpokenPhrase
+from pipeline.tts.speaker import ReplySpeaker, SpeechPiece
 from services.grpc_server import ModelWorker, StageClock, serve, status_on_error
 from services.protos import load
 from services.redis_store import read_token_stream
@@ -19,11 +24,11 @@ from services.settings import Settings
 pb, pb_grpc = load("tts")
 AUDIO_CHUNK_S = 0.2  # audio goes out in pieces this long, so the client can start playing early
 MAX_TEXT_CHARS = 100_000
-MAX_SAMPLE_RATE_HZ = 48_000
+MIN_SAMPLE_RATE_HZ, MAX_SAMPLE_RATE_HZ = 8_000, 48_000
 
 
 class TtsServicer(pb_grpc.TtsServicer):
-    def __init__(self, settings: Settings, synthesizer: PiperSynthesizer, redis: RedisContext) -> None:
+    def __init__(self, settings: Settings, synthesizer: Synthesizer, redis: RedisContext) -> None:
         self.settings = settings
         self.synthesizer = synthesizer
         self.redis = redis
@@ -39,8 +44,7 @@ class TtsServicer(pb_grpc.TtsServicer):
             timeout_s = request.token_timeout_s or self.settings.token_timeout_s
             async for entry in read_token_stream(self.redis.client, request.turn_id, timeout_s):
                 clock.received()
-                phrases = cutter.feed(entry.text) + (cutter.flush() if entry.end else [])
-                for text in phrases:
+                for text in cutter.feed(entry.text) + (cutter.flush() if entry.end else []):
                     async for event in self._speak(speaker, text, clock):
                         yield event
             yield pb.SpeechEvent(times=clock.to_proto(pb.StageTimes))
@@ -51,38 +55,85 @@ class TtsServicer(pb_grpc.TtsServicer):
         async with status_on_error(context, "tts"):
             if not request.text.strip():
                 raise ValueError("text is empty")
-            if len(request.text) > MAX_TEXT_CHARS:
-                raise ValueError(f"text of {len(request.text)} characters exceeds {MAX_TEXT_CHARS}")
+            _check_length(len(request.text))
             speaker = self._speaker(request.sample_rate_hz)
             cutter = PhraseCutter(PhraseOptions(first_phrase_min_chars=1))
             for text in cutter.feed(request.text) + cutter.flush():
                 async for event in self._speak(speaker, text, clock):
                     yield event
+            yield _documents(speaker)
+            yield pb.SpeechEvent(times=clock.to_proto(pb.StageTimes))
+
+    async def SynthesizeStream(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        """Text in pieces: each phrase is spoken as soon as it is complete, the rest at the end."""
+        clock = StageClock("tts")
+        async with status_on_error(context, "tts"):
+            speaker: ReplySpeaker | None = None
+            cutter = PhraseCutter(self.settings.phrases)
+            chars, said_anything = 0, False
+            async for piece in request_iterator:
+                clock.received()
+                speaker = speaker or self._speaker(piece.sample_rate_hz)
+                chars += len(piece.text)
+                said_anything = said_anything or bool(piece.text.strip())
+                _check_length(chars)
+                for text in cutter.feed(piece.text):
+                    async for event in self._speak(speaker, text, clock):
+                        yield event
+            if speaker is None or not said_anything:
+                raise ValueError("text is empty")
+            for text in cutter.flush():
+                async for event in self._speak(speaker, text, clock):
+                    yield event
+            yield _documents(speaker)
             yield pb.SpeechEvent(times=clock.to_proto(pb.StageTimes))
 
     def _speaker(self, sample_rate_hz: int) -> ReplySpeaker:
-        if sample_rate_hz and not 8_000 <= sample_rate_hz <= MAX_SAMPLE_RATE_HZ:
-            raise ValueError(f"sample_rate_hz {sample_rate_hz} is outside 8000-{MAX_SAMPLE_RATE_HZ}")
+        if sample_rate_hz and not MIN_SAMPLE_RATE_HZ <= sample_rate_hz <= MAX_SAMPLE_RATE_HZ:
+            raise ValueError(f"sample_rate_hz {sample_rate_hz} is outside {MIN_SAMPLE_RATE_HZ}-{MAX_SAMPLE_RATE_HZ}")
         return ReplySpeaker(self.synthesizer, sample_rate_hz)
 
     async def _speak(self, speaker: ReplySpeaker, text: str, clock: StageClock) -> AsyncIterator:
-        phrase: SpokenPhrase = await self.worker.call(speaker.speak, text)
-        step = int(AUDIO_CHUNK_S * phrase.sample_rate_hz)
-        for offset in range(0, phrase.audio.size, step):
-            clock.emitted()
-            yield pb.SpeechEvent(audio=pb.AudioChunk(
-                pcm_s16le=float_to_pcm16(phrase.audio[offset : offset + step]),
-                sample_rate_hz=phrase.sample_rate_hz,
-                start_s=phrase.start_s + offset / phrase.sample_rate_hz,
-                phrase_index=phrase.index,
-            ))
-        cue = phrase.cue
-        yield pb.SpeechEvent(cue=pb.CaptionCue(start_s=cue.start_s, end_s=cue.end_s, text=cue.text))
+        """A phrase's events, one synthesized piece at a time (a cancel lands between pieces)."""
+        async for piece in self.worker.iterate(speaker.speak(text)):
+            for event in _events(piece):
+                if event.WhichOneof("event") == "audio":
+                    clock.emitted()
+                yield event
+
+
+def _events(piece: SpeechPiece) -> list:
+    """Word cues first (they are known once the piece is made), then its audio, then the phrase cue."""
+    events = [pb.SpeechEvent(word=_cue(c, piece.phrase_index)) for c in piece.word_cues]
+    step = int(AUDIO_CHUNK_S * piece.sample_rate_hz)
+    for offset in range(0, piece.audio.size, step):
+        events.append(pb.SpeechEvent(audio=pb.AudioChunk(
+            pcm_s16le=float_to_pcm16(piece.audio[offset : offset + step]),
+            sample_rate_hz=piece.sample_rate_hz,
+            start_s=piece.start_s + offset / piece.sample_rate_hz,
+            phrase_index=piece.phrase_index,
+        )))
+    if piece.phrase_cue:
+        events.append(pb.SpeechEvent(cue=_cue(piece.phrase_cue, piece.phrase_index)))
+    return events
+
+
+def _cue(cue, phrase_index: int):
+    return pb.CaptionCue(start_s=cue.start_s, end_s=cue.end_s, text=cue.text, phrase_index=phrase_index)
+
+
+def _documents(speaker: ReplySpeaker):
+    return pb.SpeechEvent(captions=pb.CaptionDocuments(**speaker.captions.documents()))
+
+
+def _check_length(chars: int) -> None:
+    if chars > MAX_TEXT_CHARS:
+        raise ValueError(f"text of {chars} characters exceeds {MAX_TEXT_CHARS}: split it over several calls")
 
 
 async def run(settings: Settings) -> None:
     redis = await open_redis(settings)
-    synthesizer = PiperSynthesizer(settings.tts)
+    synthesizer = load_synthesizer(settings.tts)
     synthesizer.warm_up()
     servicer = TtsServicer(settings, synthesizer, redis)
     await serve(

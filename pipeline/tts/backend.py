@@ -29,6 +29,9 @@ class TtsOptions:
     coqui_language: str = ""  # multilingual models (XTTS): the language code
     device: str = "cpu"  # where the model runs (cuda for a GPU)
     use_cuda: bool = False  # piper: run the ONNX model with CUDA
+    # onnxruntime (piper) or torch (coqui) intra-op threads (0: one per core). One, because llm decodes on the other
+    # cores while tts speaks; on the shared 2-core machine one thread synthesized faster than two.
+    threads: int = 1
     # The voice's generator and phoneme-width noise; None keeps the voice's own. 0 makes synthesis
     # deterministic (the tests use that, so their speech is the same on every run).
     noise_scale: float | None = None
@@ -72,7 +75,7 @@ def load_synthesizer(options: TtsOptions) -> Synthesizer:
 
         return PiperSynthesizer(options)
     if options.backend == "coqui":
-        from pipeline.tts.coqui_backend import CoquiSynthesizer  # type: ignore[import-not-found]
+        from pipeline.tts.coqui_backend import CoquiSynthesizer
 
         return CoquiSynthesizer(options)
     raise ValueError(f"unknown tts backend {options.backend!r}: choose one of {', '.join(BACKENDS)}")

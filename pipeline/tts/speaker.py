@@ -1,44 +1,117 @@
-"""Placing synthesized phrases one after another in the reply's timeline."""
+"""Placing synthesized phrases one after another in the reply's timeline, with their caption cues.
+
+Each phrase is said as `speech_text` spells it; its pieces of audio go out as the
+backend makes them, each with the word cues it settles. A word's cue spans the
+audio of every spoken word it became ("1,200" → "one thousand two hundred"). Words
+the backend could not align are placed in proportion to their length within what
+is left of the phrase.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.captions import Cue
-from pipeline.tts.piper_backend import PiperSynthesizer
+from pipeline.audio import resample
+from pipeline.captions import CaptionTrack, Cue
+from pipeline.tts.backend import Synthesis, Synthesizer
+from pipeline.tts.speech_text import SpeechText, speech_text
 
 
 @dataclass(frozen=True)
-class SpokenPhrase:
-    index: int
-    text: str
+class SpeechPiece:
+    """Audio of one phrase, in order; the phrase's last piece carries its phrase cue (and may be silent)."""
+
+    phrase_index: int
     audio: np.ndarray  # mono float32 at `sample_rate_hz`
     sample_rate_hz: int
     start_s: float  # in the reply's timeline
+    word_cues: tuple[Cue, ...] = ()
+    phrase_cue: Cue | None = None
 
     @property
     def end_s(self) -> float:
         return self.start_s + self.audio.size / self.sample_rate_hz
 
-    @property
-    def cue(self) -> Cue:
-        return Cue(round(self.start_s, 3), round(self.end_s, 3), self.text)
-
 
 class ReplySpeaker:
     """Synthesizes phrases in order; each starts where the previous one's audio ended."""
 
-    def __init__(self, synthesizer: PiperSynthesizer, sample_rate_hz: int = 0) -> None:
+    def __init__(self, synthesizer: Synthesizer, sample_rate_hz: int = 0) -> None:
         self.synthesizer = synthesizer
         self.sample_rate_hz = sample_rate_hz or synthesizer.sample_rate_hz
+        self.captions = CaptionTrack()
         self._next_index = 0
         self._next_start_s = 0.0
 
-    def speak(self, text: str) -> SpokenPhrase:
-        audio = self.synthesizer.synthesize(text, self.sample_rate_hz)
-        phrase = SpokenPhrase(self._next_index, text, audio, self.sample_rate_hz, self._next_start_s)
+    @property
+    def end_s(self) -> float:
+        return self._next_start_s
+
+    def speak(self, text: str) -> Iterator[SpeechPiece]:
+        """The phrase's pieces as they are synthesized; nothing for a phrase with no words to say."""
+        said = speech_text(text)
+        if not said.words:
+            return
+        index, start_s = self._next_index, self._next_start_s
         self._next_index += 1
-        self._next_start_s = phrase.end_s
-        return phrase
+        timer = _WordTimer(said, start_s)
+        for piece in self.synthesizer.stream(said.spoken):
+            audio = resample(piece.audio, piece.sample_rate_hz, self.sample_rate_hz).astype(np.float32)
+            piece_start_s = self._next_start_s
+            self._next_start_s += audio.size / self.sample_rate_hz
+            cues = timer.place(piece, piece_start_s, self._next_start_s)
+            self.captions.words.extend(cues)
+            yield SpeechPiece(index, audio, self.sample_rate_hz, piece_start_s, cues)
+        cues = timer.finish(self._next_start_s)
+        phrase_cue = Cue(round(start_s, 3), round(self._next_start_s, 3), " ".join(w.text for w in said.words))
+        self.captions.words.extend(cues)
+        self.captions.phrases.append(phrase_cue)
+        yield SpeechPiece(index, np.zeros(0, np.float32), self.sample_rate_hz, self._next_start_s, cues, phrase_cue)
+
+
+class _WordTimer:
+    """Times a phrase's spoken words as pieces arrive; makes a cue per written word once all of it is timed."""
+
+    def __init__(self, said: SpeechText, start_s: float) -> None:
+        self.said = said
+        self.spoken = said.spoken_words
+        self.times: list[tuple[float, float]] = []
+        self.aligned = True  # every piece so far came with word times that fit
+        self.last_end_s = start_s
+        self._cued = 0  # written words with a cue
+
+    def place(self, piece: Synthesis, start_s: float, end_s: float) -> tuple[Cue, ...]:
+        words = piece.words
+        expected = self.spoken[len(self.times) : len(self.times) + len(words or ())]
+        if not self.aligned or words is None or [w.text for w in words] != expected:
+            self.aligned = False
+            return ()
+        for w in words:
+            begin = min(max(start_s + w.start_s, self.last_end_s), end_s)
+            self.last_end_s = min(max(start_s + w.end_s, begin), end_s)
+            self.times.append((begin, self.last_end_s))
+        return self._cues()
+
+    def finish(self, end_s: float) -> tuple[Cue, ...]:
+        """The words left untimed, in proportion to their letters over the rest of the phrase."""
+        rest = self.spoken[len(self.times) :]
+        weights = np.array([max(1, sum(ch.isalnum() for ch in w)) for w in rest], dtype=np.float64)
+        edges = self.last_end_s + (end_s - self.last_end_s) * np.concatenate([[0.0], np.cumsum(weights)]) / max(
+            weights.sum(), 1.0)
+        self.times += [(float(a), float(b)) for a, b in zip(edges[:-1], edges[1:], strict=True)]
+        return self._cues()
+
+    def _cues(self) -> tuple[Cue, ...]:
+        cues = []
+        first_spoken = sum(len(w.spoken) for w in self.said.words[: self._cued])
+        for word in self.said.words[self._cued :]:
+            last_spoken = first_spoken + len(word.spoken) - 1
+            if last_spoken >= len(self.times):
+                break
+            cues.append(Cue(round(self.times[first_spoken][0], 3), round(self.times[last_spoken][1], 3), word.text))
+            first_spoken = last_spoken + 1
+            self._cued += 1
+        return tuple(cues)
