@@ -48,12 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--dtype", help="float32, bfloat16, float16 or float64 (default: llm.dtype)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
-    bench.add_argument("what", choices=["turn", "asr", "spec", "spec-plots", "tts"])
+    bench.add_argument("what", choices=["turn", "asr", "spec", "spec-plots", "tts", "batch"])
     bench.add_argument("--drafter", default="suffix", help="spec-plots: the drafter swept over draft lengths")
     bench.add_argument("--out", default="docs", help="spec-plots: folder for the PNGs and JSON")
     bench.add_argument("--turns", type=int, default=8, help="turn, asr: spoken turns, or sentences per voice")
     bench.add_argument("--limit", type=int, default=16, help="spec: prompts per set")
-    bench.add_argument("--max-new-tokens", type=int, default=128, help="spec: tokens per prompt")
+    bench.add_argument("--max-new-tokens", type=int, default=128, help="spec, batch: tokens per prompt")
+    bench.add_argument("--sessions", default="1,2,4,8", help="batch: concurrent session counts to measure")
     bench.add_argument("--backend", default="", help="tts: piper or coqui (default: tts.backend)")
     bench.add_argument("--token-ms", type=float, default=40.0, help="tts: a word of the reply every this many ms")
     bench.add_argument("--threads", type=int, default=0, help="tts: model threads (default: tts.threads)")
@@ -95,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
             from bench import asr
 
             return asr.run(settings, args.turns, args.json_path, args.variant, args.chunk_ms, args.clock)
+        if args.what == "batch":
+            from bench import batch
+
+            sessions = tuple(int(n) for n in args.sessions.split(","))
+            return batch.run(settings, args.max_new_tokens, args.json_path, sessions)
         import importlib
 
         return importlib.import_module(f"bench.{args.what}").run(settings, args.turns, args.json_path)

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from pipeline.llm.batch import BatchedDecoder, BatchScheduler
 from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator
 from pipeline.llm.model import LoadedModel, load_draft_model, load_model
 from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, fit_history
@@ -34,6 +35,14 @@ class LlmServicer(pb_grpc.LlmServicer):
         self.turns: TurnStore = redis.turns
         self.worker = ModelWorker("llm")
         self._pending: set[asyncio.Task] = set()
+        # Other than 1, concurrent replies share each verification pass (BatchedDecoder checks the size).
+        batch = settings.llm.max_batch_size
+        self.scheduler = BatchScheduler(BatchedDecoder(self.generator, batch), self.worker.call) if batch != 1 else None
+
+    def _steps(self, generation: GenerationRequest, should_stop) -> AsyncIterator[DecodeStep]:
+        if self.scheduler is not None:
+            return self.scheduler.steps(generation, should_stop)
+        return self.worker.iterate(self.generator.steps(generation, should_stop))
 
     async def Reply(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator:
         clock = StageClock("llm")
@@ -47,7 +56,7 @@ class LlmServicer(pb_grpc.LlmServicer):
             writer = TokenStreamWriter(self.redis.client, request.turn_id, self.settings.token_stream_ttl_s)
             reply_text, ended, reason = "", False, "error"
             try:
-                async for step in self.worker.iterate(self.generator.steps(generation, cancelled.is_set)):
+                async for step in self._steps(generation, cancelled.is_set):
                     clock.emitted()
                     reply_text += step.text_delta
                     await writer.append(_entry(step))

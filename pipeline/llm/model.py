@@ -34,6 +34,7 @@ class LlmOptions:
     early_exit_layers: int = 8  # depth of the self-speculative drafter
     max_draft_tokens: int = 8
     adaptive_draft: bool = True
+    max_batch_size: int = 8  # concurrent replies verified in one target pass (pipeline/llm/batch.py); 1: one at a time
 
 
 @dataclass

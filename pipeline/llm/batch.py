@@ -1,0 +1,403 @@
+"""Batched speculative decoding: one target forward pass verifies every active request's draft.
+
+One GPU serves many avatars, and a target pass over B rows costs far less than B passes
+(the weights are read once). Each row keeps its own drafter, draft length, sampling
+options, RNG and stopping rules, exactly as in the single-request `Generator`
+(pipeline/llm/engine.py); only the verification forward is shared.
+
+The rows share one Hugging Face `DynamicCache` whose slots are physical: each step
+appends T = max(γ_r) + 1 slots to every row, a row with a shorter draft pads, and a row
+that accepts n of its γ_r drafted tokens keeps n + 1 of them. The slots a row does not
+keep (padding, the rejected tail) become holes in a 2-D attention mask, and each row's
+tokens carry explicit position ids (their index in that row's own sequence), so the
+rotary embeddings and the attention a row sees are those of the row decoded alone
+(ragged acceptance, Leviathan et al. 2023 per row). When holes pile up the cache is
+compacted: each row's kept slots are gathered, in order, to the right. A request joins
+by a prefill of its own, left-padded to the batch's length and concatenated along the
+batch dimension; a finished or cancelled one leaves by `index_select`.
+
+Invariant per row, as in engine.py: the cache holds every token of the row's context but
+the last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from pipeline.llm.detokenize import IncrementalDetokenizer
+from pipeline.llm.draft_length import DraftLengthController
+from pipeline.llm.drafters import EMPTY, Drafter
+from pipeline.llm.engine import DecodeStep, GenerationRequest, GenerationStats, Generator
+from pipeline.llm.sampling import apply_repetition_penalty, greedy_verify, logits_to_probs, speculative_verify
+
+COMPACT_MIN_HOLES = 32  # compact once every row has at least this many dead slots …
+COMPACT_FRACTION = 0.25  # … and they are this share of the cache
+# Rows × (longest draft + 1) a verification pass may hold; None: no cap. Padded to the longest
+# draft, a batch's pass grows with rows × γ, and past a few dozen positions a CPU pass is
+# bound by arithmetic, so long drafts for many rows cost more than they commit.
+MAX_VERIFY_TOKENS: int | None = None
+
+
+class BatchRow:
+    """One request inside a batch: the per-request state of engine.py's `_Run`."""
+
+    def __init__(self, generator: Generator, request: GenerationRequest,
+                 should_stop: Callable[[], bool]) -> None:
+        loaded = generator.loaded
+        self.request, self.sampling, self.should_stop = request, request.sampling, should_stop
+        seed = self.sampling.seed
+        self.rng = None if seed is None else torch.Generator(device=loaded.device).manual_seed(seed)
+        self.drafter: Drafter = generator.drafter_for(request, self.rng)
+        self.control = DraftLengthController(max_gamma=request.max_draft_tokens, adaptive=request.adaptive_draft)
+        self.context = list(request.prompt_ids)
+        self.new: list[int] = []
+        self.detok = IncrementalDetokenizer(loaded.tokenizer)
+        self.text = ""
+        self.stats = GenerationStats()
+        self.seq = 0
+        self.eos = loaded.eos_token_ids
+        self.draft: list[int] = []
+        self.draft_q: torch.Tensor | None = None
+        self.draft_s = 0.0
+        self.committed: list[int] = []
+
+    def propose(self, max_gamma: int) -> None:
+        remaining = self.request.max_new_tokens - len(self.new)
+        gamma = self.control.next_gamma(min(remaining - 1, max_gamma)) if self.drafter.name != "none" else 0
+        started = time.perf_counter()
+        draft = self.drafter.propose(self.context, gamma) if gamma else EMPTY
+        self.draft_s = time.perf_counter() - started
+        self.draft = list(draft.tokens[:gamma])
+        self.draft_q = None if draft.q is None else draft.q[: len(self.draft)]
+
+    def verify(self, logits: torch.Tensor, target_s: float) -> int:
+        """Accept a prefix of the draft from the target's logits [γ+1, V]; returns how many."""
+        x = self.draft
+        logits = apply_repetition_penalty(logits, self.context, x, self.sampling.repetition_penalty)
+        if self.sampling.greedy:
+            n, next_token = greedy_verify(x, logits)
+        else:
+            n, next_token = speculative_verify(x, logits_to_probs(logits, self.sampling), self.draft_q, self.rng)
+        self.committed = [*x[:n], next_token]
+        self.context += self.committed
+        self._account(len(x), n, target_s)
+        return n
+
+    def emit(self) -> DecodeStep:
+        """The step made of what `verify` committed, cut at EOS, a stop string or the token limit."""
+        tokens, finish = self.committed, None
+        for i, token in enumerate(tokens):
+            if token in self.eos:
+                tokens, finish = tokens[:i], "eos"
+                break
+        self.new += tokens
+        self.stats.new_tokens = len(self.new)
+        delta = self.detok.push(tokens)
+        delta, finish = self._stop_strings(delta, finish)
+        if finish is None and len(self.new) >= self.request.max_new_tokens:
+            finish = "length"
+        step = DecodeStep(self.seq, tuple(tokens), delta, finish, len(self.draft))
+        self.seq += 1
+        return self.last(step) if finish else step
+
+    def cancelled(self) -> DecodeStep:
+        return self.last(DecodeStep(self.seq, (), "", "cancelled"))
+
+    def last(self, step: DecodeStep) -> DecodeStep:
+        self.drafter.commit(self.context)
+        return dataclasses.replace(step, stats=self.stats)
+
+    def _account(self, drafted: int, accepted: int, target_s: float) -> None:
+        self.stats.predicted_speedup_sum += self.control.predicted_speedup(drafted)
+        self.stats.record(drafted, accepted)
+        self.stats.draft_s += self.draft_s
+        self.stats.target_s += target_s
+        plain_step_s = target_s / (1 + self.control.verify_cost_per_token * drafted)
+        cost = (self.draft_s / drafted) / plain_step_s if drafted and not self.drafter.model_free else None
+        self.control.observe(drafted, accepted, cost)
+
+    def _stop_strings(self, delta: str, finish: str | None) -> tuple[str, str | None]:
+        if not self.request.stop_strings:
+            return delta, finish
+        before = len(self.text)
+        self.text += delta
+        hits = [i for s in self.request.stop_strings if (i := self.text.find(s, max(0, before - len(s)))) >= 0]
+        if not hits:
+            return delta, finish
+        cut = min(hits)
+        return self.text[before:cut] if cut > before else "", "stop"
+
+
+@dataclass
+class BatchCounters:
+    steps: int = 0
+    rows_verified: int = 0  # Σ over steps of the rows in that step
+    padded_slots: int = 0  # slots computed only to square the batch
+    compactions: int = 0
+    ragged_steps: int = 0  # steps whose rows drafted different lengths
+    widths: list[int] = field(default_factory=list)  # rows per step
+    largest_pass: int = 0  # the most positions (rows × (longest draft + 1)) one pass verified
+
+
+class BatchedDecoder:
+    """Advances up to `max_batch_size` requests together, one target forward per step.
+
+    `add` prefills a request and joins it to the batch; `step` runs one draft-and-verify
+    step for every row and returns each row's DecodeStep. A row whose step is its last
+    (EOS, stop string, length, cancellation) has left the batch when `step` returns.
+    Not thread-safe: call it from one thread (the model worker).
+    """
+
+    def __init__(self, generator: Generator, max_batch_size: int = 8,
+                 max_verify_tokens: int | None = MAX_VERIFY_TOKENS) -> None:
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be at least 1")
+        self.generator, self.loaded = generator, generator.loaded
+        self.max_batch_size = max_batch_size
+        self.max_verify_tokens = max_verify_tokens
+        self.rows: list[BatchRow] = []
+        self.cache = None  # a DynamicCache [B, H, L, D] per layer, or None while L = 0
+        self.kept = torch.zeros((0, 0), dtype=torch.bool, device=self.loaded.device)  # [B, L]: live slots
+        tokenizer = self.loaded.tokenizer
+        self.pad_id = int(getattr(tokenizer, "pad_token_id", None) or 0)
+        self.counters = BatchCounters()
+
+    @property
+    def max_gamma(self) -> int:
+        """The longest draft any row may verify this step: the pass's width times its rows stays in budget."""
+        if self.max_verify_tokens is None:
+            return 1 << 30
+        return max(0, self.max_verify_tokens // max(1, len(self.rows)) - 1)
+
+    @property
+    def room(self) -> int:
+        return self.max_batch_size - len(self.rows)
+
+    @torch.inference_mode()
+    def add(self, request: GenerationRequest, should_stop: Callable[[], bool] = lambda: False) -> BatchRow:
+        if self.room <= 0:
+            raise RuntimeError(f"the batch is full ({self.max_batch_size} rows)")
+        self.generator.check(request)
+        row = BatchRow(self.generator, request, should_stop)
+        prefix = row.context[:-1]
+        cache = None
+        if prefix:
+            out = self.loaded.model(input_ids=torch.tensor([prefix], device=self.loaded.device), use_cache=True,
+                                    logits_to_keep=1)
+            cache = out.cache
+            _require_full_attention(cache)
+        self._join(cache, len(prefix))
+        self.rows.append(row)
+        return row
+
+    def clear(self) -> None:
+        """Drop every row and the cache (after a failed step, whose state cannot be trusted)."""
+        self.rows, self.cache, self.kept = [], None, self.kept[:0, :0]
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[BatchRow, DecodeStep]]:
+        out: list[tuple[BatchRow, DecodeStep]] = []
+        stopped = [i for i, row in enumerate(self.rows) if row.should_stop()]
+        out += [(self.rows[i], self.rows[i].cancelled()) for i in stopped]
+        self._leave(stopped)
+        if not self.rows:
+            return out
+        for row in self.rows:
+            row.propose(self.max_gamma)
+        logits, target_s = self._verify_forward()
+        finished = []
+        for i, row in enumerate(self.rows):
+            n = row.verify(logits[i, : len(row.draft) + 1], target_s)
+            self.kept[i, self.kept.shape[1] - logits.shape[1] + n + 1:] = False  # the rejected tail and padding
+            step = row.emit()
+            out.append((row, step))
+            if step.finish_reason:
+                finished.append(i)
+        self._leave(finished)
+        self._maybe_compact()
+        return out
+
+    def _verify_forward(self) -> tuple[torch.Tensor, float]:
+        """One target pass over [last, x_1..x_γ] of every row, padded to the longest: logits [B, T, V]."""
+        width = max(len(row.draft) for row in self.rows) + 1
+        ids = torch.full((len(self.rows), width), self.pad_id, dtype=torch.long)
+        live = torch.zeros((len(self.rows), width), dtype=torch.bool)
+        positions = torch.zeros((len(self.rows), width), dtype=torch.long)
+        for i, row in enumerate(self.rows):
+            tokens = [row.context[-1], *row.draft]
+            ids[i, : len(tokens)] = torch.tensor(tokens)
+            live[i, : len(tokens)] = True
+            positions[i] = torch.arange(len(row.context) - 1, len(row.context) - 1 + width)
+        device = self.loaded.device
+        live = live.to(device)
+        mask = torch.cat([self.kept, live], dim=1)
+        started = time.perf_counter()
+        result = self.loaded.model(input_ids=ids.to(device), attention_mask=mask.long(),
+                                   position_ids=positions.to(device), cache=self.cache, use_cache=True,
+                                   logits_to_keep=width)
+        logits = result.logits
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the stats time the pass, not its launch
+        target_s = time.perf_counter() - started
+        self.cache = result.cache
+        self.kept = mask
+        counters = self.counters
+        counters.steps += 1
+        counters.rows_verified += len(self.rows)
+        counters.padded_slots += int((~live).sum())
+        counters.ragged_steps += len({len(row.draft) for row in self.rows}) > 1
+        counters.widths.append(len(self.rows))
+        counters.largest_pass = max(counters.largest_pass, ids.numel())
+        return logits, target_s
+
+    def _join(self, cache, length: int) -> None:
+        """Concatenate a prefilled row along the batch, left-padding the shorter side with dead slots."""
+        device = self.loaded.device
+        batch_length = self.kept.shape[1]
+        total = max(batch_length, length)
+        kept_new = torch.zeros((1, total), dtype=torch.bool, device=device)
+        kept_new[0, total - length:] = True
+        kept_old = torch.cat([torch.zeros((self.kept.shape[0], total - batch_length), dtype=torch.bool,
+                                          device=device), self.kept], dim=1)
+        if cache is not None or self.cache is not None:
+            base = self.cache if self.cache is not None else cache
+            for i, layer in enumerate(base.layers):
+                template = layer.keys if layer.is_initialized else None
+                old = self.cache.layers[i] if self.cache is not None else None
+                new = cache.layers[i] if cache is not None else None
+                for name in ("keys", "values"):
+                    a = _left_pad(getattr(old, name) if old else None, len(self.rows), total, template)
+                    b = _left_pad(getattr(new, name) if new else None, 1, total, template)
+                    setattr(layer, name, torch.cat([a, b], dim=0))
+            self.cache = base
+        self.kept = torch.cat([kept_old, kept_new], dim=0)
+
+    def _leave(self, indices: list[int]) -> None:
+        if not indices:
+            return
+        gone = set(indices)
+        stay = [i for i in range(len(self.rows)) if i not in gone]
+        self.rows = [self.rows[i] for i in stay]
+        if not self.rows:
+            self.clear()
+            return
+        index = torch.tensor(stay, device=self.loaded.device)
+        self.kept = self.kept.index_select(0, index)
+        if self.cache is not None:
+            for layer in self.cache.layers:
+                layer.keys = layer.keys.index_select(0, index)
+                layer.values = layer.values.index_select(0, index)
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        """Gather each row's live slots, in order, to the right end of a shorter cache."""
+        if self.cache is None or not self.rows:
+            return
+        length = self.kept.shape[1]
+        live = int(self.kept.sum(dim=1).max())
+        holes = length - live
+        if holes < COMPACT_MIN_HOLES or holes < COMPACT_FRACTION * length:
+            return
+        order = torch.sort(self.kept.to(torch.int8), dim=1, stable=True).indices[:, holes:]  # dead first, then live
+        self.kept = torch.gather(self.kept, 1, order)
+        for layer in self.cache.layers:
+            b, h, _, d = layer.keys.shape
+            index = order[:, None, :, None].expand(b, h, live, d)
+            layer.keys = torch.gather(layer.keys, 2, index)
+            layer.values = torch.gather(layer.values, 2, index)
+        self.counters.compactions += 1
+
+
+def _left_pad(tensor: torch.Tensor | None, rows: int, length: int, template: torch.Tensor | None) -> torch.Tensor:
+    """[rows, H, length, D]: `tensor` right-aligned after zeros (dead slots, masked out)."""
+    assert template is not None
+    b, h, _, d = template.shape
+    current = 0 if tensor is None else tensor.shape[2]
+    zeros = template.new_zeros((rows, h, length - current, d))
+    return zeros if tensor is None else torch.cat([zeros, tensor], dim=2)
+
+
+def _require_full_attention(cache) -> None:
+    if any(getattr(layer, "is_sliding", False) or not hasattr(layer, "keys") for layer in cache.layers):
+        raise ValueError("batched decoding needs a model whose cache layers are full attention (no sliding window)")
+
+
+class BatchScheduler:
+    """Gathers concurrent requests into one running batch for asyncio callers.
+
+    Each `steps()` caller gets its own async iterator of DecodeSteps; one loop task runs
+    batch steps through `run_in_worker` (the model's thread), admitting waiting requests
+    between steps as rows leave. With the batch full, new requests wait their turn.
+    """
+
+    def __init__(self, decoder: BatchedDecoder,
+                 run_in_worker: Callable[..., Awaitable]) -> None:
+        self.decoder = decoder
+        self.run_in_worker = run_in_worker
+        self._waiting: list[_Pending] = []
+        self._queues: dict[object, asyncio.Queue] = {}  # row (or a failed _Pending) -> its caller's queue
+        self._loop_task: asyncio.Task | None = None
+
+    async def steps(self, request: GenerationRequest,
+                    should_stop: Callable[[], bool] = lambda: False) -> AsyncIterator[DecodeStep]:
+        pending = _Pending(request, should_stop, asyncio.Queue())
+        self._waiting.append(pending)
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        try:
+            while True:
+                item = await pending.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            pending.abandoned = True  # a row whose caller left is cancelled at the next step
+
+    async def _run(self) -> None:
+        while self._waiting or self.decoder.rows:
+            admit = self._waiting[: self.decoder.room]
+            del self._waiting[: len(admit)]
+            try:
+                results = await self.run_in_worker(self._tick, admit)
+            except Exception as e:  # noqa: BLE001 - the batch is lost: every caller hears why
+                for queue in [*self._queues.values(), *(p.queue for p in admit)]:
+                    queue.put_nowait(e)
+                self._queues.clear()
+                self.decoder.clear()
+                continue
+            for key, item in results:
+                queue = self._queues[key]
+                queue.put_nowait(item)
+                if isinstance(item, BaseException) or item.finish_reason is not None:
+                    del self._queues[key]
+
+    def _tick(self, admit: list[_Pending]) -> list[tuple[object, DecodeStep | BaseException]]:
+        """In the worker thread: join the admitted requests, then one batch step."""
+        results: list[tuple[object, DecodeStep | BaseException]] = []
+        for pending in admit:
+            def stop(p: _Pending = pending) -> bool:
+                return p.abandoned or p.should_stop()
+            try:
+                row = self.decoder.add(pending.request, stop)
+            except Exception as e:  # noqa: BLE001 - this request alone fails
+                self._queues[pending] = pending.queue
+                results.append((pending, e))
+                continue
+            self._queues[row] = pending.queue
+        return results + [(row, step) for row, step in self.decoder.step()]
+
+
+@dataclass(eq=False)
+class _Pending:
+    request: GenerationRequest
+    should_stop: Callable[[], bool]
+    queue: asyncio.Queue
+    abandoned: bool = False
