@@ -197,7 +197,7 @@ def generate(settings, args) -> int:
 
     options = dataclasses.replace(settings.llm, dtype=args.dtype or settings.llm.dtype)
     loaded = load_model(options)
-    generator = Generator(loaded, load_draft_model(options, loaded), options.early_exit_layers)
+    generator = Generator(loaded, load_draft_model(options, loaded), options.early_exit_layers, options.static_cache)
     prompt = encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, args.prompt))
     sampling = SamplingOptions(args.temperature, args.top_k, args.top_p, seed=args.seed).validate()
     request = GenerationRequest(tuple(prompt), args.max_new_tokens, args.drafter or options.drafter, sampling,

@@ -34,6 +34,7 @@ class LlmOptions:
     early_exit_layers: int = 8  # depth of the self-speculative drafter
     max_draft_tokens: int = 8
     adaptive_draft: bool = True
+    static_cache: bool = True  # preallocated KV cache per request, rollback by length
 
 
 @dataclass
@@ -85,6 +86,24 @@ def rollback(cache: object, keep_tokens: int) -> None:
     extra = cache.get_seq_length() - keep_tokens  # type: ignore[attr-defined]
     if extra > 0:
         cache.crop(-extra)  # type: ignore[attr-defined]
+
+
+def new_kv_cache(model: Any, max_tokens: int, static: bool) -> object | None:
+    """A KV cache for one request: preallocated for `max_tokens` positions when `static`.
+
+    A static cache (transformers' StaticCache) writes each step's keys and values in place
+    and rolls back by moving its length, where the dynamic one concatenates and slices every
+    layer's tensors each step. None lets the model make its own dynamic cache; so does an
+    architecture whose cache layout StaticCache does not know.
+    """
+    if not static:
+        return None
+    from transformers import StaticCache
+
+    try:
+        return StaticCache(config=model.config, max_cache_len=max_tokens)
+    except (ValueError, KeyError, NotImplementedError, AttributeError):
+        return None
 
 
 def torch_dtype(name: str) -> torch.dtype:
