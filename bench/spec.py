@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,23 +42,26 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None) -> int
     rows = []
     for workload in ("dialogue", "caption"):
         encoded = [encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, p)) for p in prompts[workload][:limit]]
-        reference: list[list[int]] = []
-        baseline = 0.0
-        for method in methods:
+        runs = {method: _Tally() for method in methods}
+        for i, prompt in enumerate(encoded):  # every method on one prompt, then the next: load drifts alike
+            for method in methods:
+                runner = dynamic if method == "specvox-none-dynamic-cache" else generator
+                runs[method].add(*_measure(method, runner, prompt, max_new_tokens, settings.llm))
+            print(f"  {workload} prompt {i + 1}/{len(encoded)}: " + ", ".join(
+                f"{m.removeprefix('specvox-')} {t.tokens_per_s:.1f}" for m, t in runs.items()), flush=True)
+        baseline, reference = runs["hf-greedy"].tokens_per_s, runs["hf-greedy"].outputs
+        for method, tally in runs.items():
             runner = dynamic if method == "specvox-none-dynamic-cache" else generator
-            outputs, seconds, accepted_len = _measure(method, runner, encoded, max_new_tokens, settings.llm)
-            if method == "hf-greedy":
-                reference, baseline = outputs, sum(map(len, outputs)) / seconds
-            tokens_per_s = sum(map(len, outputs)) / seconds
             rows.append({
                 "workload": workload, "method": method, "prompts": len(encoded), "max_new_tokens": max_new_tokens,
                 "dtype": settings.llm.dtype, "device": settings.llm.device,
-                "tokens_per_s": round(tokens_per_s, 2), "speedup_vs_hf_greedy": round(tokens_per_s / baseline, 3),
-                "mean_accepted_len": accepted_len, "identical_to_greedy": outputs == reference,
+                "tokens_per_s": round(tally.tokens_per_s, 2),
+                "speedup_vs_hf_greedy": round(tally.tokens_per_s / baseline, 3),
+                "mean_accepted_len": round(tally.tokens / tally.steps, 3) if tally.steps else None,
+                "identical_to_greedy": tally.outputs == reference,
                 "verify_cost_per_token": round(runner.verify_cost.per_token, 4),
                 "torch_threads": torch.get_num_threads(),
             })
-            print(f"  {workload:<9} {method:<27} {tokens_per_s:7.1f} tok/s", flush=True)
     print_table(rows)
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=2) + "\n")
@@ -65,23 +69,39 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None) -> int
     return 0
 
 
-def _measure(method: str, generator: Generator, prompts: list[list[int]], max_new: int, options: LlmOptions):
-    outputs, seconds, steps, tokens = [], 0.0, 0, 0
-    eos = generator.loaded.eos_token_ids
-    for prompt in prompts:
-        started = time.perf_counter()
-        if method.startswith("hf-"):
-            out = _hf_generate(generator, prompt, max_new, method == "hf-prompt-lookup")
-        else:
-            drafter = "none" if method == "specvox-none-dynamic-cache" else method.removeprefix("specvox-")
-            request = GenerationRequest(tuple(prompt), max_new, drafter, max_draft_tokens=options.max_draft_tokens,
-                                        adaptive_draft=options.adaptive_draft)
-            out = [t for step in generator.steps(request) for t in step.token_ids]
-            steps += generator.last_stats.steps
-            tokens += generator.last_stats.new_tokens
-        seconds += time.perf_counter() - started
-        outputs.append([t for t in out if t not in eos])
-    return outputs, seconds, (round(tokens / steps, 3) if steps else None)
+@dataclass
+class _Tally:
+    outputs: list[list[int]] = field(default_factory=list)
+    seconds: float = 0.0
+    steps: int = 0  # target passes (specvox methods only)
+    tokens: int = 0
+
+    def add(self, output: list[int], seconds: float, steps: int, tokens: int) -> None:
+        self.outputs.append(output)
+        self.seconds += seconds
+        self.steps += steps
+        self.tokens += tokens
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(map(len, self.outputs)) / self.seconds if self.seconds else 0.0
+
+
+def _measure(method: str, generator: Generator, prompt: list[int], max_new: int,
+             options: LlmOptions) -> tuple[list[int], float, int, int]:
+    """(output without EOS, seconds, target passes, committed tokens) for one prompt."""
+    steps = tokens = 0
+    started = time.perf_counter()
+    if method.startswith("hf-"):
+        out = _hf_generate(generator, prompt, max_new, method == "hf-prompt-lookup")
+    else:
+        drafter = "none" if method == "specvox-none-dynamic-cache" else method.removeprefix("specvox-")
+        request = GenerationRequest(tuple(prompt), max_new, drafter, max_draft_tokens=options.max_draft_tokens,
+                                    adaptive_draft=options.adaptive_draft)
+        out = [t for step in generator.steps(request) for t in step.token_ids]
+        steps, tokens = generator.last_stats.steps, generator.last_stats.new_tokens
+    seconds = time.perf_counter() - started
+    return [t for t in out if t not in generator.loaded.eos_token_ids], seconds, steps, tokens
 
 
 @torch.inference_mode()

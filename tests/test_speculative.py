@@ -19,7 +19,7 @@ from bench.prompts import load_prompts
 from pipeline.llm.draft_length import DraftLengthController, MatchAcceptance, VerifyCost
 from pipeline.llm.drafters import Draft, SuffixAutomaton, SuffixDrafter
 from pipeline.llm.engine import GenerationRequest, Generator
-from pipeline.llm.model import LlmOptions, load_model, rollback
+from pipeline.llm.model import LlmOptions, load_model, new_kv_cache, rollback
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 from pipeline.llm.sampling import SamplingOptions, logits_to_probs, sample, speculative_verify
 
@@ -153,10 +153,12 @@ def test_stop_strings_cut_the_reply_even_inside_a_step(bundled):
     assert steps[-1].finish_reason == "stop" and stop not in text and full.startswith(text)
 
 
-def test_rollback_leaves_the_cache_as_if_the_tail_was_never_seen(tiny):
+@pytest.mark.parametrize("static", (True, False))
+def test_rollback_leaves_the_cache_as_if_the_tail_was_never_seen(tiny, static):
     model, ids = tiny.loaded.model, torch.tensor([[5, 9, 12, 7, 3, 8]])
     with torch.inference_mode():
-        cache = model(input_ids=ids, use_cache=True).cache
+        cache = model(input_ids=ids, cache=new_kv_cache(model, 16, static), use_cache=True).cache
+        assert (type(cache).__name__ == "StaticCache") == static
         rollback(cache, 3)
         assert cache.get_seq_length() == 3
         resumed = model(input_ids=torch.tensor([[21]]), cache=cache, use_cache=True).logits[0, -1]

@@ -99,11 +99,14 @@ def new_kv_cache(model: Any, max_tokens: int, static: bool) -> object | None:
     if not static:
         return None
     from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
 
     try:
-        return StaticCache(config=model.config, max_cache_len=max_tokens)
+        cache = StaticCache(config=model.config, max_cache_len=max_tokens)
     except (ValueError, KeyError, NotImplementedError, AttributeError):
         return None
+    # Sliding-window and linear-attention layers do not roll back by length alone.
+    return cache if all(type(layer) is StaticLayer for layer in cache.layers) else None
 
 
 def torch_dtype(name: str) -> torch.dtype:
