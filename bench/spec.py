@@ -27,7 +27,8 @@ from pipeline.llm.prompts import Task, chat_messages, encode_chat
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 
 
-def run(settings, limit: int, max_new_tokens: int, json_path: str | None) -> int:
+def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
+        workloads: tuple[str, ...] = ("dialogue", "caption")) -> int:
     prompts = load_prompts()
     loaded = load_model(settings.llm)
     generator = Generator(loaded, load_draft_model(settings.llm, loaded), settings.llm.early_exit_layers,
@@ -40,7 +41,7 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None) -> int
     generator.warm_up()
     dynamic.warm_up()
     rows = []
-    for workload in ("dialogue", "caption"):
+    for workload in workloads:
         encoded = [encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, p)) for p in prompts[workload][:limit]]
         runs = {method: _Tally() for method in methods}
         for i, prompt in enumerate(encoded):  # every method on one prompt, then the next: load drifts alike
@@ -48,7 +49,9 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None) -> int
                 runner = dynamic if method == "specvox-none-dynamic-cache" else generator
                 runs[method].add(*_measure(method, runner, prompt, max_new_tokens, settings.llm))
             print(f"  {workload} prompt {i + 1}/{len(encoded)}: " + ", ".join(
-                f"{m.removeprefix('specvox-')} {t.tokens_per_s:.1f}" for m, t in runs.items()), flush=True)
+                f"{m.removeprefix('specvox-')} {t.tokens_per_s:.1f}" for m, t in runs.items())
+                + f"; all identical so far: {all(t.outputs == runs['hf-greedy'].outputs for t in runs.values())}",
+                flush=True)
         baseline, reference = runs["hf-greedy"].tokens_per_s, runs["hf-greedy"].outputs
         for method, tally in runs.items():
             runner = dynamic if method == "specvox-none-dynamic-cache" else generator
@@ -62,9 +65,10 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None) -> int
                 "verify_cost_per_token": round(runner.verify_cost.per_token, 4),
                 "torch_threads": torch.get_num_threads(),
             })
+        if json_path:  # after each set, so a long run that is stopped keeps what it finished
+            Path(json_path).write_text(json.dumps(rows, indent=2) + "\n")
     print_table(rows)
     if json_path:
-        Path(json_path).write_text(json.dumps(rows, indent=2) + "\n")
         print(f"wrote {json_path}")
     return 0
 

@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--turns", type=int, default=8, help="turn, asr: spoken turns, or sentences per voice")
     bench.add_argument("--limit", type=int, default=16, help="spec: prompts per set")
     bench.add_argument("--max-new-tokens", type=int, default=128, help="spec: tokens per prompt")
+    bench.add_argument("--workload", action="append", choices=["dialogue", "caption"],
+                       help="spec: prompt sets in this order (repeatable; default dialogue then caption)")
     bench.add_argument("--json", dest="json_path", help="write the rows here")
     args = parser.parse_args(argv)
 
@@ -75,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.what == "spec":
             from bench import spec
 
-            return spec.run(settings, args.limit, args.max_new_tokens, args.json_path)
+            return spec.run(settings, args.limit, args.max_new_tokens, args.json_path,
+                            tuple(args.workload or ("dialogue", "caption")))
         import importlib
 
         return importlib.import_module(f"bench.{args.what}").run(settings, args.turns, args.json_path)
