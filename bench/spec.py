@@ -2,8 +2,8 @@
 
 Rows per workload (the dialogue and caption sets of shared/data/prompts.json):
 Hugging Face `generate()` greedy, Hugging Face prompt-lookup assisted generation, specvox
-plain decoding (with its static KV cache, and with transformers' dynamic cache as a
-control), and specvox with each drafter. Throughput is new tokens over wall time, summed
+plain decoding (with the configured KV cache, and with the other kind as a control:
+`llm.static_cache`), and specvox with each drafter. Throughput is new tokens over wall time, summed
 over the set; `identical_to_greedy` compares every output with HF greedy's. Requests carry
 no session key, so the suffix drafter remembers nothing from one prompt to the next; only
 the draft-length controller's statistics (acceptance by match length, verify cost) carry
@@ -33,20 +33,21 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
     loaded = load_model(settings.llm)
     generator = Generator(loaded, load_draft_model(settings.llm, loaded), settings.llm.early_exit_layers,
                           settings.llm.static_cache)
-    dynamic = Generator(loaded, static_cache=False)
-    methods = ["hf-greedy", "hf-prompt-lookup", "specvox-none-dynamic-cache",
+    control = Generator(loaded, static_cache=not settings.llm.static_cache)
+    control_method = f"specvox-none-{'dynamic' if settings.llm.static_cache else 'static'}-cache"
+    methods = ["hf-greedy", "hf-prompt-lookup", control_method,
                *[f"specvox-{d}" for d in generator.drafters]]
     print(f"torch threads {torch.get_num_threads()}, {settings.llm.dtype} on {settings.llm.device}", flush=True)
     _hf_generate(generator, list(loaded.tokenizer.encode("Hello")), 4, False)  # type: ignore[attr-defined]
     generator.warm_up()
-    dynamic.warm_up()
+    control.warm_up()
     rows = []
     for workload in workloads:
         encoded = [encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, p)) for p in prompts[workload][:limit]]
         runs = {method: _Tally() for method in methods}
         for i, prompt in enumerate(encoded):  # every method on one prompt, then the next: load drifts alike
             for method in methods:
-                runner = dynamic if method == "specvox-none-dynamic-cache" else generator
+                runner = control if method == control_method else generator
                 runs[method].add(*_measure(method, runner, prompt, max_new_tokens, settings.llm))
             print(f"  {workload} prompt {i + 1}/{len(encoded)}: " + ", ".join(
                 f"{m.removeprefix('specvox-')} {t.tokens_per_s:.1f}" for m, t in runs.items())
@@ -54,7 +55,7 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
                 flush=True)
         baseline, reference = runs["hf-greedy"].tokens_per_s, runs["hf-greedy"].outputs
         for method, tally in runs.items():
-            runner = dynamic if method == "specvox-none-dynamic-cache" else generator
+            runner = control if method == control_method else generator
             rows.append({
                 "workload": workload, "method": method, "prompts": len(encoded), "max_new_tokens": max_new_tokens,
                 "dtype": settings.llm.dtype, "device": settings.llm.device,
@@ -99,7 +100,7 @@ def _measure(method: str, generator: Generator, prompt: list[int], max_new: int,
     if method.startswith("hf-"):
         out = _hf_generate(generator, prompt, max_new, method == "hf-prompt-lookup")
     else:
-        drafter = "none" if method == "specvox-none-dynamic-cache" else method.removeprefix("specvox-")
+        drafter = "none" if method.endswith("-cache") else method.removeprefix("specvox-")
         request = GenerationRequest(tuple(prompt), max_new, drafter, max_draft_tokens=options.max_draft_tokens,
                                     adaptive_draft=options.adaptive_draft)
         out = [t for step in generator.steps(request) for t in step.token_ids]

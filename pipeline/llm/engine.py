@@ -126,7 +126,7 @@ class Generator:
 
     def __init__(
         self, loaded: LoadedModel, draft_model: LoadedModel | None = None, early_exit_layers: int = 8,
-        static_cache: bool = True,
+        static_cache: bool = False,
     ) -> None:
         self.loaded = loaded
         self.static_cache = static_cache

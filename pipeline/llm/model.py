@@ -34,7 +34,7 @@ class LlmOptions:
     early_exit_layers: int = 8  # depth of the self-speculative drafter
     max_draft_tokens: int = 8
     adaptive_draft: bool = True
-    static_cache: bool = True  # preallocated KV cache per request, rollback by length
+    static_cache: bool = False  # preallocated KV cache per request (rollback by length); slower in eager mode here
 
 
 @dataclass
