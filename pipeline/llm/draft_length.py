@@ -49,6 +49,7 @@ class VerifyCost:
 
     prior: float = 0.04  # measured on the bundled target on a quiet 2-core CPU: 8 tokens cost 1.3×
     forget: float = 0.98
+    frozen: bool = False  # keep the prior: γ must not depend on timing (seeded sampling)
     _w: float = 0.0
     _x: float = 0.0
     _y: float = 0.0
@@ -56,6 +57,8 @@ class VerifyCost:
     _xy: float = 0.0
 
     def observe(self, tokens: int, seconds: float) -> None:
+        if self.frozen:
+            return
         x = tokens - 1.0
         f = self.forget
         self._w = f * self._w + 1.0
@@ -130,6 +133,7 @@ class DraftLengthController:
     draft_cost: float = 0.0  # c: one draft step / one plain step (0 for model-free drafters)
     verify: VerifyCost = field(default_factory=VerifyCost)  # b, measured on the running model
     matches: MatchAcceptance | None = None  # model-free drafters: acceptance by match length
+    measure_draft_cost: bool = True  # False: keep draft_cost as given (seeded sampling)
     smoothing: float = 0.3
     probe_every: int = 8  # plain steps between probes while the guard holds γ at 0
     _plain_steps: int = 0
@@ -172,7 +176,7 @@ class DraftLengthController:
         if drafted:
             rate = accepted / drafted
             self.alpha += self.smoothing * (rate - self.alpha)
-        if draft_cost is not None:
+        if draft_cost is not None and self.measure_draft_cost:
             self.draft_cost += self.smoothing * (draft_cost - self.draft_cost)
 
     def predicted_speedup(self, gamma: int, model_free: bool = False) -> float:

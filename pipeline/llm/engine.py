@@ -42,6 +42,7 @@ from pipeline.llm.sampling import (
 MODEL_FREE_DRAFTERS = ("none", "ngram", "suffix")
 EARLY_EXIT = "early-exit"
 SESSIONS_REMEMBERED = 256  # suffix memories kept, least recently used dropped
+SEEDED_DRAFT_COST = 0.25  # one draft step / one target step, assumed (not timed) for seeded sampling
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,17 @@ class Generator:
         return NoDrafter()
 
     def controller_for(self, request: GenerationRequest, drafter: Drafter) -> DraftLengthController:
+        """The request's draft-length controller, sharing what earlier requests measured.
+
+        Seeded sampling must replay exactly, so its γ may depend neither on timing nor on
+        earlier requests: it gets fixed costs and statistics of its own. (Greedy output
+        does not depend on γ at all.)
+        """
+        if request.sampling.seed is not None and not request.sampling.greedy:
+            return DraftLengthController(
+                max_gamma=request.max_draft_tokens, adaptive=request.adaptive_draft,
+                verify=VerifyCost(frozen=True), matches=MatchAcceptance(request.max_draft_tokens),
+                draft_cost=0.0 if drafter.model_free else SEEDED_DRAFT_COST, measure_draft_cost=False)
         matches = None
         if drafter.model_free:
             key = (drafter.name, request.max_draft_tokens)
