@@ -2,70 +2,111 @@
 
 Rows per workload (the dialogue and caption sets of shared/data/prompts.json):
 Hugging Face `generate()` greedy, Hugging Face prompt-lookup assisted generation, specvox
-plain decoding, and specvox with each drafter. Throughput is new tokens over wall time,
-summed over the set; `identical_to_greedy` compares every output with HF greedy's.
+plain decoding (with the configured KV cache, and with the other kind as a control:
+`llm.static_cache`), and specvox with each drafter. Throughput is new tokens over wall time, summed
+over the set; `identical_to_greedy` compares every output with HF greedy's. Requests carry
+no session key, so the suffix drafter remembers nothing from one prompt to the next; only
+the draft-length controller's statistics (acceptance by match length, verify cost) carry
+over, as they do in the service.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from bench.prompts import load_prompts
 from pipeline.llm.engine import GenerationRequest, Generator
-from pipeline.llm.model import load_draft_model, load_model
+from pipeline.llm.model import LlmOptions, load_draft_model, load_model
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 
 
-def run(settings, limit: int, max_new_tokens: int, json_path: str | None) -> int:
+def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
+        workloads: tuple[str, ...] = ("dialogue", "caption")) -> int:
     prompts = load_prompts()
     loaded = load_model(settings.llm)
-    generator = Generator(loaded, load_draft_model(settings.llm, loaded), settings.llm.early_exit_layers)
-    methods = ["hf-greedy", "hf-prompt-lookup", *[f"specvox-{d}" for d in generator.drafters]]
+    generator = Generator(loaded, load_draft_model(settings.llm, loaded), settings.llm.early_exit_layers,
+                          settings.llm.static_cache)
+    control = Generator(loaded, static_cache=not settings.llm.static_cache)
+    control_method = f"specvox-none-{'dynamic' if settings.llm.static_cache else 'static'}-cache"
+    methods = ["hf-greedy", "hf-prompt-lookup", control_method,
+               *[f"specvox-{d}" for d in generator.drafters]]
+    print(f"torch threads {torch.get_num_threads()}, {settings.llm.dtype} on {settings.llm.device}", flush=True)
+    _hf_generate(generator, list(loaded.tokenizer.encode("Hello")), 4, False)  # type: ignore[attr-defined]
+    generator.warm_up()
+    control.warm_up()
     rows = []
-    for workload in ("dialogue", "caption"):
+    for workload in workloads:
         encoded = [encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, p)) for p in prompts[workload][:limit]]
-        reference: list[list[int]] = []
-        baseline = 0.0
-        for method in methods:
-            outputs, seconds, accepted_len = _measure(method, generator, encoded, max_new_tokens)
-            if method == "hf-greedy":
-                reference, baseline = outputs, sum(map(len, outputs)) / seconds
-            tokens_per_s = sum(map(len, outputs)) / seconds
+        runs = {method: _Tally() for method in methods}
+        for i, prompt in enumerate(encoded):  # every method on one prompt, then the next: load drifts alike
+            for method in methods:
+                runner = control if method == control_method else generator
+                runs[method].add(*_measure(method, runner, prompt, max_new_tokens, settings.llm))
+            print(f"  {workload} prompt {i + 1}/{len(encoded)}: " + ", ".join(
+                f"{m.removeprefix('specvox-')} {t.tokens_per_s:.1f}" for m, t in runs.items())
+                + f"; all identical so far: {all(t.outputs == runs['hf-greedy'].outputs for t in runs.values())}",
+                flush=True)
+        baseline, reference = runs["hf-greedy"].tokens_per_s, runs["hf-greedy"].outputs
+        for method, tally in runs.items():
+            runner = control if method == control_method else generator
             rows.append({
                 "workload": workload, "method": method, "prompts": len(encoded), "max_new_tokens": max_new_tokens,
                 "dtype": settings.llm.dtype, "device": settings.llm.device,
-                "tokens_per_s": round(tokens_per_s, 2), "speedup_vs_hf_greedy": round(tokens_per_s / baseline, 3),
-                "mean_accepted_len": accepted_len, "identical_to_greedy": outputs == reference,
+                "tokens_per_s": round(tally.tokens_per_s, 2),
+                "speedup_vs_hf_greedy": round(tally.tokens_per_s / baseline, 3),
+                "mean_accepted_len": round(tally.tokens / tally.steps, 3) if tally.steps else None,
+                "identical_to_greedy": tally.outputs == reference,
+                "verify_cost_per_token": round(runner.verify_cost.per_token, 4),
+                "torch_threads": torch.get_num_threads(),
             })
-            print(f"  {workload:<9} {method:<22} {tokens_per_s:7.1f} tok/s", flush=True)
+        if json_path:  # after each set, so a long run that is stopped keeps what it finished
+            Path(json_path).write_text(json.dumps(rows, indent=2) + "\n")
     print_table(rows)
     if json_path:
-        Path(json_path).write_text(json.dumps(rows, indent=2) + "\n")
         print(f"wrote {json_path}")
     return 0
 
 
-def _measure(method: str, generator: Generator, prompts: list[list[int]], max_new: int):
-    outputs, seconds, steps, tokens = [], 0.0, 0, 0
-    eos = generator.loaded.eos_token_ids
-    for prompt in prompts:
-        started = time.perf_counter()
-        if method.startswith("hf-"):
-            out = _hf_generate(generator, prompt, max_new, method == "hf-prompt-lookup")
-        else:
-            request = GenerationRequest(tuple(prompt), max_new, method.removeprefix("specvox-"))
-            out = [t for step in generator.steps(request) for t in step.token_ids]
-            steps += generator.last_stats.steps
-            tokens += generator.last_stats.new_tokens
-        seconds += time.perf_counter() - started
-        outputs.append([t for t in out if t not in eos])
-    return outputs, seconds, (round(tokens / steps, 3) if steps else None)
+@dataclass
+class _Tally:
+    outputs: list[list[int]] = field(default_factory=list)
+    seconds: float = 0.0
+    steps: int = 0  # target passes (specvox methods only)
+    tokens: int = 0
+
+    def add(self, output: list[int], seconds: float, steps: int, tokens: int) -> None:
+        self.outputs.append(output)
+        self.seconds += seconds
+        self.steps += steps
+        self.tokens += tokens
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(map(len, self.outputs)) / self.seconds if self.seconds else 0.0
+
+
+def _measure(method: str, generator: Generator, prompt: list[int], max_new: int,
+             options: LlmOptions) -> tuple[list[int], float, int, int]:
+    """(output without EOS, seconds, target passes, committed tokens) for one prompt."""
+    steps = tokens = 0
+    started = time.perf_counter()
+    if method.startswith("hf-"):
+        out = _hf_generate(generator, prompt, max_new, method == "hf-prompt-lookup")
+    else:
+        drafter = "none" if method.endswith("-cache") else method.removeprefix("specvox-")
+        request = GenerationRequest(tuple(prompt), max_new, drafter, max_draft_tokens=options.max_draft_tokens,
+                                    adaptive_draft=options.adaptive_draft)
+        out = [t for step in generator.steps(request) for t in step.token_ids]
+        steps, tokens = generator.last_stats.steps, generator.last_stats.new_tokens
+    seconds = time.perf_counter() - started
+    return [t for t in out if t not in generator.loaded.eos_token_ids], seconds, steps, tokens
 
 
 @torch.inference_mode()
@@ -79,8 +120,8 @@ def _hf_generate(generator: Generator, prompt: list[int], max_new: int, prompt_l
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'workload':<9} {'method':<22} {'tok/s':>8} {'vs HF greedy':>13} {'accepted/step':>14} {'identical':>10}")
+    print(f"\n{'workload':<9} {'method':<27} {'tok/s':>8} {'vs HF greedy':>13} {'accepted/step':>14} {'identical':>10}")
     for r in rows:
         accepted = "" if r["mean_accepted_len"] is None else f"{r['mean_accepted_len']:.2f}"
-        print(f"{r['workload']:<9} {r['method']:<22} {r['tokens_per_s']:>8.1f} {r['speedup_vs_hf_greedy']:>12.2f}x "
+        print(f"{r['workload']:<9} {r['method']:<27} {r['tokens_per_s']:>8.1f} {r['speedup_vs_hf_greedy']:>12.2f}x "
               f"{accepted:>14} {str(r['identical_to_greedy']):>10}")

@@ -22,7 +22,8 @@ GAMMAS = (1, 2, 3, 4, 6, 8)
 def run(settings, drafter: str, limit: int, max_new_tokens: int, out_dir: str) -> int:
     prompts = load_prompts()
     loaded = load_model(settings.llm)
-    generator = Generator(loaded, early_exit_layers=settings.llm.early_exit_layers)
+    generator = Generator(loaded, early_exit_layers=settings.llm.early_exit_layers,
+                          static_cache=settings.llm.static_cache)
     results = {}
     for workload in ("dialogue", "caption"):
         encoded = [tuple(encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, p)))

@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--turns", type=int, default=8, help="turn, asr: spoken turns, or sentences per voice")
     bench.add_argument("--limit", type=int, default=16, help="spec: prompts per set")
     bench.add_argument("--max-new-tokens", type=int, default=128, help="spec, batch: tokens per prompt")
+    bench.add_argument("--workload", action="append", choices=["dialogue", "caption"],
+                       help="spec: prompt sets in this order (repeatable; default dialogue then caption)")
     bench.add_argument("--sessions", default="1,2,4,8", help="batch: concurrent session counts to measure")
     bench.add_argument("--backend", default="", help="tts: piper or coqui (default: tts.backend)")
     bench.add_argument("--token-ms", type=float, default=40.0, help="tts: a word of the reply every this many ms")
@@ -91,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.what == "spec":
             from bench import spec
 
-            return spec.run(settings, args.limit, args.max_new_tokens, args.json_path)
+            return spec.run(settings, args.limit, args.max_new_tokens, args.json_path,
+                            tuple(args.workload or ("dialogue", "caption")))
         if args.what == "asr":
             from bench import asr
 
@@ -236,7 +239,7 @@ def generate(settings, args) -> int:
 
     options = dataclasses.replace(settings.llm, dtype=args.dtype or settings.llm.dtype)
     loaded = load_model(options)
-    generator = Generator(loaded, load_draft_model(options, loaded), options.early_exit_layers)
+    generator = Generator(loaded, load_draft_model(options, loaded), options.early_exit_layers, options.static_cache)
     prompt = encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, args.prompt))
     sampling = SamplingOptions(args.temperature, args.top_k, args.top_p, seed=args.seed).validate()
     request = GenerationRequest(tuple(prompt), args.max_new_tokens, args.drafter or options.drafter, sampling,

@@ -29,7 +29,7 @@ class LlmServicer(pb_grpc.LlmServicer):
                  draft_model: LoadedModel | None = None) -> None:
         self.settings = settings
         self.loaded = loaded
-        self.generator = Generator(loaded, draft_model, settings.llm.early_exit_layers)
+        self.generator = Generator(loaded, draft_model, settings.llm.early_exit_layers, settings.llm.static_cache)
         self.redis = redis
         self.sessions: SessionStore = redis.sessions
         self.turns: TurnStore = redis.turns

@@ -16,9 +16,10 @@ import torch
 from scipy.stats import chisquare
 
 from bench.prompts import load_prompts
-from pipeline.llm.drafters import Draft, SuffixAutomaton
+from pipeline.llm.draft_length import DraftLengthController, MatchAcceptance, VerifyCost
+from pipeline.llm.drafters import Draft, SuffixAutomaton, SuffixDrafter
 from pipeline.llm.engine import GenerationRequest, Generator
-from pipeline.llm.model import LlmOptions, load_model, rollback
+from pipeline.llm.model import LlmOptions, load_model, new_kv_cache, rollback
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 from pipeline.llm.sampling import SamplingOptions, logits_to_probs, sample, speculative_verify
 
@@ -152,10 +153,12 @@ def test_stop_strings_cut_the_reply_even_inside_a_step(bundled):
     assert steps[-1].finish_reason == "stop" and stop not in text and full.startswith(text)
 
 
-def test_rollback_leaves_the_cache_as_if_the_tail_was_never_seen(tiny):
+@pytest.mark.parametrize("static", (True, False))
+def test_rollback_leaves_the_cache_as_if_the_tail_was_never_seen(tiny, static):
     model, ids = tiny.loaded.model, torch.tensor([[5, 9, 12, 7, 3, 8]])
     with torch.inference_mode():
-        cache = model(input_ids=ids, use_cache=True).cache
+        cache = model(input_ids=ids, cache=new_kv_cache(model, 16, static), use_cache=True).cache
+        assert (type(cache).__name__ == "StaticCache") == static
         rollback(cache, 3)
         assert cache.get_seq_length() == 3
         resumed = model(input_ids=torch.tensor([[21]]), cache=cache, use_cache=True).logits[0, -1]
@@ -178,6 +181,49 @@ def test_the_suffix_drafter_remembers_the_session(tiny):
     again = run(tiny, prompt, "suffix", 60, session_key="s1")
     assert again == first
     assert tiny.last_stats.mean_accepted_len > 2  # the second reply is replayed from memory
+
+
+def test_the_suffix_drafter_prefers_the_longer_match():
+    drafter = SuffixDrafter()
+    drafter.commit([1, 2, 3, 4, 5, 6, 7])  # an earlier utterance of the session
+    draft = drafter.propose([9, 2, 3, 4, 8, 4], 3)  # "4" was said before and earlier in this reply
+    assert draft.match == 1 and draft.tokens == (8, 4)  # a tie: the reply itself is more recent
+    draft = drafter.propose([4, 9, 2, 3, 4], 3)  # this reply matches "4", the session's past "2 3 4"
+    assert draft.match == 3 and draft.tokens == (5, 6, 7)
+
+
+def test_verify_cost_is_the_slope_of_pass_time_over_tokens():
+    cost = VerifyCost(prior=0.5)
+    assert cost.per_token == 0.5  # nothing measured yet
+    for n in [1, 1, 2, 5, 9, 1, 3, 9, 1, 7] * 3:
+        cost.observe(n, 0.020 + 0.002 * (n - 1))
+    assert cost.per_token == pytest.approx(0.1, rel=1e-6)
+    same = VerifyCost(prior=0.5)
+    for _ in range(20):
+        same.observe(1, 0.02)  # plain steps only: the slope is unknown
+    assert same.per_token == 0.5
+
+
+def test_match_acceptance_verifies_long_matches_whole_and_drops_failing_short_ones():
+    acceptance = MatchAcceptance(max_gamma=8)
+    for _ in range(50):
+        acceptance.observe(match=4, drafted=8, accepted=8)  # long matches always held
+        acceptance.observe(match=1, drafted=8, accepted=0)  # one-token matches never did
+    assert acceptance.best_gamma(match=6, proposed=8, verify_cost_per_token=0.05)[0] == 8
+    assert acceptance.best_gamma(match=4, proposed=3, verify_cost_per_token=0.05)[0] == 3  # no more than proposed
+    assert acceptance.best_gamma(match=1, proposed=8, verify_cost_per_token=0.05)[0] == 0
+
+
+def test_the_guard_probes_while_it_holds_model_free_drafting_off():
+    acceptance = MatchAcceptance(max_gamma=8)
+    for _ in range(50):
+        acceptance.observe(match=1, drafted=8, accepted=0)
+    control = DraftLengthController(max_gamma=8, matches=acceptance, probe_every=4)
+    gammas = [control.gamma_for_match(match=1, proposed=8, limit=100) for _ in range(8)]
+    assert gammas == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert control.gamma_for_match(match=1, proposed=8, limit=0) == 0  # no room left: nothing to verify
+    fixed = DraftLengthController(max_gamma=8, adaptive=False, matches=acceptance)
+    assert fixed.gamma_for_match(match=1, proposed=5, limit=100) == 5
 
 
 def test_sampling_is_reproducible_with_a_seed_for_every_drafter(tiny):

@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.llm.detokenize import IncrementalDetokenizer
-from pipeline.llm.draft_length import DraftLengthController
 from pipeline.llm.drafters import EMPTY, Drafter
 from pipeline.llm.engine import DecodeStep, GenerationRequest, GenerationStats, Generator
 from pipeline.llm.sampling import apply_repetition_penalty, greedy_verify, logits_to_probs, speculative_verify
@@ -54,7 +53,7 @@ class BatchRow:
         seed = self.sampling.seed
         self.rng = None if seed is None else torch.Generator(device=loaded.device).manual_seed(seed)
         self.drafter: Drafter = generator.drafter_for(request, self.rng)
-        self.control = DraftLengthController(max_gamma=request.max_draft_tokens, adaptive=request.adaptive_draft)
+        self.control = generator.controller_for(request, self.drafter)
         self.context = list(request.prompt_ids)
         self.new: list[int] = []
         self.detok = IncrementalDetokenizer(loaded.tokenizer)
@@ -65,15 +64,24 @@ class BatchRow:
         self.draft: list[int] = []
         self.draft_q: torch.Tensor | None = None
         self.draft_s = 0.0
+        self.match = 0
         self.committed: list[int] = []
 
     def propose(self, max_gamma: int) -> None:
-        remaining = self.request.max_new_tokens - len(self.new)
-        gamma = self.control.next_gamma(min(remaining - 1, max_gamma)) if self.drafter.name != "none" else 0
+        """The row's draft for this step, chosen as engine.py's `_Run._step` chooses it."""
+        limit = min(self.request.max_new_tokens - len(self.new) - 1, max_gamma)
         started = time.perf_counter()
-        draft = self.drafter.propose(self.context, gamma) if gamma else EMPTY
+        if self.drafter.name == "none" or limit < 1:
+            draft = EMPTY
+        elif self.drafter.model_free:  # drafting is free: propose the most, keep what pays
+            draft = self.drafter.propose(self.context, min(self.control.max_gamma, limit))
+            draft = dataclasses.replace(draft, tokens=draft.tokens[: self.control.gamma_for_match(
+                draft.match, len(draft.tokens), limit)])
+        else:
+            gamma = self.control.next_gamma(limit)
+            draft = self.drafter.propose(self.context, gamma) if gamma else EMPTY
         self.draft_s = time.perf_counter() - started
-        self.draft = list(draft.tokens[:gamma])
+        self.draft, self.match = list(draft.tokens), draft.match
         self.draft_q = None if draft.q is None else draft.q[: len(self.draft)]
 
     def verify(self, logits: torch.Tensor, target_s: float) -> int:
@@ -114,13 +122,14 @@ class BatchRow:
         return dataclasses.replace(step, stats=self.stats)
 
     def _account(self, drafted: int, accepted: int, target_s: float) -> None:
-        self.stats.predicted_speedup_sum += self.control.predicted_speedup(drafted)
+        self.stats.predicted_speedup_sum += self.control.predicted_speedup(drafted, self.drafter.model_free)
         self.stats.record(drafted, accepted)
         self.stats.draft_s += self.draft_s
         self.stats.target_s += target_s
         plain_step_s = target_s / (1 + self.control.verify_cost_per_token * drafted)
         cost = (self.draft_s / drafted) / plain_step_s if drafted and not self.drafter.model_free else None
-        self.control.observe(drafted, accepted, cost)
+        # The batch's pass time is not one request's verify cost: control.verify learns from the single path.
+        self.control.observe(drafted, accepted, cost, self.match)
 
     def _stop_strings(self, delta: str, finish: str | None) -> tuple[str, str | None]:
         if not self.request.stop_strings:

@@ -22,6 +22,7 @@ from pipeline.llm.sampling import SamplingOptions, logits_to_probs, sample
 class Draft:
     tokens: tuple[int, ...]
     q: torch.Tensor | None = None  # [len(tokens), V] when the drafter has a distribution
+    match: int = 0  # model-free drafters: length of the matched suffix, their confidence
 
 
 EMPTY = Draft(())
@@ -69,7 +70,7 @@ class PromptLookupDrafter:
                 if tokens[start : start + n] == tail:
                     follow = tokens[start + n : start + n + k]
                     if follow:
-                        return Draft(tuple(follow))
+                        return Draft(tuple(follow), match=n)
         return EMPTY
 
     def commit(self, context: Sequence[int]) -> None:
@@ -134,28 +135,27 @@ class SuffixAutomaton:
 
 
 class SuffixDrafter:
-    """Proposes the continuation of the longest suffix of the context seen before in this
-    session (everything said so far, replies included) or earlier in this reply."""
+    """Proposes the continuation of the longest suffix of the context seen before, in this
+    session's past (everything said so far, replies included) or earlier in this reply;
+    of the two, the longer match wins (the current sequence on a tie: it is more recent)."""
 
     name = "suffix"
     model_free = True
 
-    def __init__(self, min_match: int = 2, max_context: int = 64) -> None:
+    def __init__(self, min_match: int = 1, max_context: int = 64) -> None:
         self.min_match, self.max_context = min_match, max_context
         self.memory = SuffixAutomaton()  # the session's past
         self._lookup = PromptLookupDrafter(max_ngram=8, min_ngram=min_match)
         self._separator = -1  # never a token id: matches never run across two utterances
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
-        tail = list(context[-self.max_context :])
-        best: tuple[int, ...] = ()
-        matched, end = self.memory.longest_suffix_match(tail)
-        if matched >= self.min_match:
-            best = self._follow(self.memory.text, end, k)
-        if len(best) < k:  # the current sequence itself (a reply repeating its prompt)
-            local = self._lookup.propose(context, k)
-            best = local.tokens if len(local.tokens) > len(best) else best
-        return Draft(best) if best else EMPTY
+        local = self._lookup.propose(context, k)
+        matched, end = self.memory.longest_suffix_match(context[-self.max_context :])
+        if matched >= self.min_match and matched > local.match:
+            remembered = self._follow(self.memory.text, end, k)
+            if remembered:
+                return Draft(remembered, match=matched)
+        return local
 
     def commit(self, context: Sequence[int]) -> None:
         for token in context:

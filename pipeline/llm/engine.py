@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pipeline.llm.detokenize import IncrementalDetokenizer
-from pipeline.llm.draft_length import DraftLengthController
+from pipeline.llm.draft_length import DraftLengthController, MatchAcceptance, VerifyCost
 from pipeline.llm.drafters import (
     EMPTY,
     Drafter,
@@ -29,7 +29,7 @@ from pipeline.llm.drafters import (
     PromptLookupDrafter,
     SuffixDrafter,
 )
-from pipeline.llm.model import LoadedModel, early_exit_model, rollback
+from pipeline.llm.model import LoadedModel, early_exit_model, new_kv_cache, rollback
 from pipeline.llm.prompts import PromptTooLongError
 from pipeline.llm.sampling import (
     SamplingOptions,
@@ -42,6 +42,7 @@ from pipeline.llm.sampling import (
 MODEL_FREE_DRAFTERS = ("none", "ngram", "suffix")
 EARLY_EXIT = "early-exit"
 SESSIONS_REMEMBERED = 256  # suffix memories kept, least recently used dropped
+SEEDED_DRAFT_COST = 0.25  # one draft step / one target step, assumed (not timed) for seeded sampling
 
 
 @dataclass(frozen=True)
@@ -125,14 +126,19 @@ class Generator:
     """Runs a request as decode steps, stopping on EOS, a stop string, the token limit or `should_stop`."""
 
     def __init__(
-        self, loaded: LoadedModel, draft_model: LoadedModel | None = None, early_exit_layers: int = 8
+        self, loaded: LoadedModel, draft_model: LoadedModel | None = None, early_exit_layers: int = 8,
+        static_cache: bool = False,
     ) -> None:
         self.loaded = loaded
+        self.static_cache = static_cache
         self.draft_model = draft_model
         self.early_exit_layers = early_exit_layers
         self._shallow: torch.nn.Module | None = None
         self._memories: OrderedDict[str, SuffixDrafter] = OrderedDict()
         self.last_stats = GenerationStats()
+        # Learned across requests: what a verified token costs here, how often matches hold.
+        self.verify_cost = VerifyCost()
+        self._match_acceptance: dict[tuple[str, int], MatchAcceptance] = {}
 
     @property
     def drafters(self) -> tuple[str, ...]:
@@ -183,6 +189,25 @@ class Generator:
             return ModelDrafter(self._shallow, self.loaded.device, request.sampling, generator, name=EARLY_EXIT)
         return NoDrafter()
 
+    def controller_for(self, request: GenerationRequest, drafter: Drafter) -> DraftLengthController:
+        """The request's draft-length controller, sharing what earlier requests measured.
+
+        Seeded sampling must replay exactly, so its γ may depend neither on timing nor on
+        earlier requests: it gets fixed costs and statistics of its own. (Greedy output
+        does not depend on γ at all.)
+        """
+        if request.sampling.seed is not None and not request.sampling.greedy:
+            return DraftLengthController(
+                max_gamma=request.max_draft_tokens, adaptive=request.adaptive_draft,
+                verify=VerifyCost(frozen=True), matches=MatchAcceptance(request.max_draft_tokens),
+                draft_cost=0.0 if drafter.model_free else SEEDED_DRAFT_COST, measure_draft_cost=False)
+        matches = None
+        if drafter.model_free:
+            key = (drafter.name, request.max_draft_tokens)
+            matches = self._match_acceptance.setdefault(key, MatchAcceptance(request.max_draft_tokens))
+        return DraftLengthController(max_gamma=request.max_draft_tokens, adaptive=request.adaptive_draft,
+                                     verify=self.verify_cost, matches=matches)
+
     def _memory(self, session_key: str) -> SuffixDrafter:
         if not session_key:
             return SuffixDrafter()
@@ -202,13 +227,14 @@ class _Run:
         seed = self.sampling.seed
         self.rng = None if seed is None else torch.Generator(device=generator.loaded.device).manual_seed(seed)
         self.drafter = generator.drafter_for(request, self.rng)
-        self.control = DraftLengthController(max_gamma=request.max_draft_tokens, adaptive=request.adaptive_draft)
+        self.control = generator.controller_for(request, self.drafter)
         self.context = list(request.prompt_ids)
         self.new: list[int] = []
         self.detok = IncrementalDetokenizer(self.loaded.tokenizer)
         self.text = ""
         self.stats = GenerationStats()
-        self.cache = None
+        room = len(self.context) + request.max_new_tokens + request.max_draft_tokens + 1
+        self.cache = new_kv_cache(self.loaded.model, room, generator.static_cache)
 
     def steps(self, should_stop: Callable[[], bool]) -> Iterator[DecodeStep]:
         self._prefill()
@@ -243,12 +269,19 @@ class _Run:
 
     def _step(self) -> tuple[list[int], int]:
         """One draft-and-verify step; returns the committed tokens and γ."""
-        remaining = self.request.max_new_tokens - len(self.new)
-        gamma = self.control.next_gamma(remaining - 1) if self.drafter.name != "none" else 0
+        limit = self.request.max_new_tokens - len(self.new) - 1  # the step commits one token of its own
         started = time.perf_counter()
-        draft = self.drafter.propose(self.context, gamma) if gamma else EMPTY
+        if self.drafter.name == "none" or limit < 1:
+            draft = EMPTY
+        elif self.drafter.model_free:  # drafting is free: propose the most, keep what pays
+            draft = self.drafter.propose(self.context, min(self.control.max_gamma, limit))
+            draft = dataclasses.replace(draft, tokens=draft.tokens[: self.control.gamma_for_match(
+                draft.match, len(draft.tokens), limit)])
+        else:
+            gamma = self.control.next_gamma(limit)
+            draft = self.drafter.propose(self.context, gamma) if gamma else EMPTY
         draft_s = time.perf_counter() - started
-        x = list(draft.tokens[:gamma])
+        x = list(draft.tokens)
         started = time.perf_counter()
         logits = self._forward([self.context[-1], *x], keep_logits=len(x) + 1)  # [γ+1, V]
         target_s = time.perf_counter() - started
@@ -261,17 +294,18 @@ class _Run:
         rollback(self.cache, len(self.context) + n)  # drop the keys and values of the rejected tail
         committed = [*x[:n], next_token]
         self.context += committed
-        self._account(len(x), n, draft_s, target_s)
+        self._account(len(x), n, draft_s, target_s, draft.match)
         return committed, len(x)
 
-    def _account(self, drafted: int, accepted: int, draft_s: float, target_s: float) -> None:
-        self.stats.predicted_speedup_sum += self.control.predicted_speedup(drafted)
+    def _account(self, drafted: int, accepted: int, draft_s: float, target_s: float, match: int) -> None:
+        self.stats.predicted_speedup_sum += self.control.predicted_speedup(drafted, self.drafter.model_free)
         self.stats.record(drafted, accepted)
         self.stats.draft_s += draft_s
         self.stats.target_s += target_s
+        self.control.verify.observe(drafted + 1, target_s)
         plain_step_s = target_s / (1 + self.control.verify_cost_per_token * drafted)
         cost = (draft_s / drafted) / plain_step_s if drafted and not self.drafter.model_free else None
-        self.control.observe(drafted, accepted, cost)
+        self.control.observe(drafted, accepted, cost, match)
 
     def _finish(self, tokens: list[int]) -> tuple[list[int], str | None]:
         for i, token in enumerate(tokens):

@@ -34,6 +34,7 @@ class LlmOptions:
     early_exit_layers: int = 8  # depth of the self-speculative drafter
     max_draft_tokens: int = 8
     adaptive_draft: bool = True
+    static_cache: bool = False  # preallocated KV cache per request (rollback by length); slower in eager mode here
     max_batch_size: int = 8  # concurrent replies verified in one target pass (pipeline/llm/batch.py); 1: one at a time
 
 
@@ -86,6 +87,27 @@ def rollback(cache: object, keep_tokens: int) -> None:
     extra = cache.get_seq_length() - keep_tokens  # type: ignore[attr-defined]
     if extra > 0:
         cache.crop(-extra)  # type: ignore[attr-defined]
+
+
+def new_kv_cache(model: Any, max_tokens: int, static: bool) -> object | None:
+    """A KV cache for one request: preallocated for `max_tokens` positions when `static`.
+
+    A static cache (transformers' StaticCache) writes each step's keys and values in place
+    and rolls back by moving its length, where the dynamic one concatenates and slices every
+    layer's tensors each step. None lets the model make its own dynamic cache; so does an
+    architecture whose cache layout StaticCache does not know.
+    """
+    if not static:
+        return None
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer
+
+    try:
+        cache = StaticCache(config=model.config, max_cache_len=max_tokens)
+    except (ValueError, KeyError, NotImplementedError, AttributeError):
+        return None
+    # Sliding-window and linear-attention layers do not roll back by length alone.
+    return cache if all(type(layer) is StaticLayer for layer in cache.layers) else None
 
 
 def torch_dtype(name: str) -> torch.dtype:
