@@ -23,17 +23,13 @@ the last.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from pipeline.llm.detokenize import IncrementalDetokenizer
-from pipeline.llm.drafters import EMPTY, Drafter
-from pipeline.llm.engine import DecodeStep, GenerationRequest, GenerationStats, Generator
-from pipeline.llm.sampling import apply_repetition_penalty, greedy_verify, logits_to_probs, speculative_verify
+from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator, RequestDecoder
 
 COMPACT_MIN_HOLES = 32  # compact once every row has at least this many dead slots …
 COMPACT_FRACTION = 0.25  # … and they are this share of the cache
@@ -41,106 +37,6 @@ COMPACT_FRACTION = 0.25  # … and they are this share of the cache
 # draft, a batch's pass grows with rows × γ, and past a few dozen positions a CPU pass is
 # bound by arithmetic, so long drafts for many rows cost more than they commit.
 MAX_VERIFY_TOKENS: int | None = None
-
-
-class BatchRow:
-    """One request inside a batch: the per-request state of engine.py's `_Run`."""
-
-    def __init__(self, generator: Generator, request: GenerationRequest,
-                 should_stop: Callable[[], bool]) -> None:
-        loaded = generator.loaded
-        self.request, self.sampling, self.should_stop = request, request.sampling, should_stop
-        seed = self.sampling.seed
-        self.rng = None if seed is None else torch.Generator(device=loaded.device).manual_seed(seed)
-        self.drafter: Drafter = generator.drafter_for(request, self.rng)
-        self.control = generator.controller_for(request, self.drafter)
-        self.context = list(request.prompt_ids)
-        self.new: list[int] = []
-        self.detok = IncrementalDetokenizer(loaded.tokenizer)
-        self.text = ""
-        self.stats = GenerationStats()
-        self.seq = 0
-        self.eos = loaded.eos_token_ids
-        self.draft: list[int] = []
-        self.draft_q: torch.Tensor | None = None
-        self.draft_s = 0.0
-        self.match = 0
-        self.committed: list[int] = []
-
-    def propose(self, max_gamma: int) -> None:
-        """The row's draft for this step, chosen as engine.py's `_Run._step` chooses it."""
-        limit = min(self.request.max_new_tokens - len(self.new) - 1, max_gamma)
-        started = time.perf_counter()
-        if self.drafter.name == "none" or limit < 1:
-            draft = EMPTY
-        elif self.drafter.model_free:  # drafting is free: propose the most, keep what pays
-            draft = self.drafter.propose(self.context, min(self.control.max_gamma, limit))
-            draft = dataclasses.replace(draft, tokens=draft.tokens[: self.control.gamma_for_match(
-                draft.match, len(draft.tokens), limit)])
-        else:
-            gamma = self.control.next_gamma(limit)
-            draft = self.drafter.propose(self.context, gamma) if gamma else EMPTY
-        self.draft_s = time.perf_counter() - started
-        self.draft, self.match = list(draft.tokens), draft.match
-        self.draft_q = None if draft.q is None else draft.q[: len(self.draft)]
-
-    def verify(self, logits: torch.Tensor, target_s: float) -> int:
-        """Accept a prefix of the draft from the target's logits [γ+1, V]; returns how many."""
-        x = self.draft
-        logits = apply_repetition_penalty(logits, self.context, x, self.sampling.repetition_penalty)
-        if self.sampling.greedy:
-            n, next_token = greedy_verify(x, logits)
-        else:
-            n, next_token = speculative_verify(x, logits_to_probs(logits, self.sampling), self.draft_q, self.rng)
-        self.committed = [*x[:n], next_token]
-        self.context += self.committed
-        self._account(len(x), n, target_s)
-        return n
-
-    def emit(self) -> DecodeStep:
-        """The step made of what `verify` committed, cut at EOS, a stop string or the token limit."""
-        tokens, finish = self.committed, None
-        for i, token in enumerate(tokens):
-            if token in self.eos:
-                tokens, finish = tokens[:i], "eos"
-                break
-        self.new += tokens
-        self.stats.new_tokens = len(self.new)
-        delta = self.detok.push(tokens)
-        delta, finish = self._stop_strings(delta, finish)
-        if finish is None and len(self.new) >= self.request.max_new_tokens:
-            finish = "length"
-        step = DecodeStep(self.seq, tuple(tokens), delta, finish, len(self.draft))
-        self.seq += 1
-        return self.last(step) if finish else step
-
-    def cancelled(self) -> DecodeStep:
-        return self.last(DecodeStep(self.seq, (), "", "cancelled"))
-
-    def last(self, step: DecodeStep) -> DecodeStep:
-        self.drafter.commit(self.context)
-        return dataclasses.replace(step, stats=self.stats)
-
-    def _account(self, drafted: int, accepted: int, target_s: float) -> None:
-        self.stats.predicted_speedup_sum += self.control.predicted_speedup(drafted, self.drafter.model_free)
-        self.stats.record(drafted, accepted)
-        self.stats.draft_s += self.draft_s
-        self.stats.target_s += target_s
-        plain_step_s = target_s / (1 + self.control.verify_cost_per_token * drafted)
-        cost = (self.draft_s / drafted) / plain_step_s if drafted and not self.drafter.model_free else None
-        # The batch's pass time is not one request's verify cost: control.verify learns from the single path.
-        self.control.observe(drafted, accepted, cost, self.match)
-
-    def _stop_strings(self, delta: str, finish: str | None) -> tuple[str, str | None]:
-        if not self.request.stop_strings:
-            return delta, finish
-        before = len(self.text)
-        self.text += delta
-        hits = [i for s in self.request.stop_strings if (i := self.text.find(s, max(0, before - len(s)))) >= 0]
-        if not hits:
-            return delta, finish
-        cut = min(hits)
-        return self.text[before:cut] if cut > before else "", "stop"
 
 
 @dataclass
@@ -170,7 +66,7 @@ class BatchedDecoder:
         self.generator, self.loaded = generator, generator.loaded
         self.max_batch_size = max_batch_size
         self.max_verify_tokens = max_verify_tokens
-        self.rows: list[BatchRow] = []
+        self.rows: list[RequestDecoder] = []
         self.cache = None  # a DynamicCache [B, H, L, D] per layer, or None while L = 0
         self.kept = torch.zeros((0, 0), dtype=torch.bool, device=self.loaded.device)  # [B, L]: live slots
         tokenizer = self.loaded.tokenizer
@@ -189,11 +85,11 @@ class BatchedDecoder:
         return self.max_batch_size - len(self.rows)
 
     @torch.inference_mode()
-    def add(self, request: GenerationRequest, should_stop: Callable[[], bool] = lambda: False) -> BatchRow:
+    def add(self, request: GenerationRequest, should_stop: Callable[[], bool] = lambda: False) -> RequestDecoder:
         if self.room <= 0:
             raise RuntimeError(f"the batch is full ({self.max_batch_size} rows)")
         self.generator.check(request)
-        row = BatchRow(self.generator, request, should_stop)
+        row = RequestDecoder(self.generator, request, should_stop)
         prefix = row.context[:-1]
         cache = None
         if prefix:
@@ -210,8 +106,8 @@ class BatchedDecoder:
         self.rows, self.cache, self.kept = [], None, self.kept[:0, :0]
 
     @torch.inference_mode()
-    def step(self) -> list[tuple[BatchRow, DecodeStep]]:
-        out: list[tuple[BatchRow, DecodeStep]] = []
+    def step(self) -> list[tuple[RequestDecoder, DecodeStep]]:
+        out: list[tuple[RequestDecoder, DecodeStep]] = []
         stopped = [i for i, row in enumerate(self.rows) if row.should_stop()]
         out += [(self.rows[i], self.rows[i].cancelled()) for i in stopped]
         self._leave(stopped)
@@ -222,7 +118,7 @@ class BatchedDecoder:
         logits, target_s = self._verify_forward()
         finished = []
         for i, row in enumerate(self.rows):
-            n = row.verify(logits[i, : len(row.draft) + 1], target_s)
+            n = row.verify(logits[i, : len(row.draft) + 1], target_s, own_pass=False)
             self.kept[i, self.kept.shape[1] - logits.shape[1] + n + 1:] = False  # the rejected tail and padding
             step = row.emit()
             out.append((row, step))

@@ -218,58 +218,40 @@ class Generator:
         return memory
 
 
-class _Run:
-    """The state of one request's decoding."""
+class RequestDecoder:
+    """One request's decoding state, whatever drives the target: `_Run` alone, or a batch.
 
-    def __init__(self, generator: Generator, request: GenerationRequest) -> None:
-        self.loaded, self.request = generator.loaded, request
-        self.sampling = request.sampling
+    A step is `propose` (the draft, its length chosen by the controller), a target pass
+    over [last, x_1..x_γ] run by the caller, `verify` (accept a prefix, commit one token of
+    the target's own), then `emit` (cut at EOS, a stop string or the token limit).
+    """
+
+    def __init__(self, generator: Generator, request: GenerationRequest,
+                 should_stop: Callable[[], bool] = lambda: False) -> None:
+        loaded = generator.loaded
+        self.request, self.sampling, self.should_stop = request, request.sampling, should_stop
         seed = self.sampling.seed
-        self.rng = None if seed is None else torch.Generator(device=generator.loaded.device).manual_seed(seed)
-        self.drafter = generator.drafter_for(request, self.rng)
+        self.rng = None if seed is None else torch.Generator(device=loaded.device).manual_seed(seed)
+        self.drafter: Drafter = generator.drafter_for(request, self.rng)
         self.control = generator.controller_for(request, self.drafter)
         self.context = list(request.prompt_ids)
         self.new: list[int] = []
-        self.detok = IncrementalDetokenizer(self.loaded.tokenizer)
+        self.detok = IncrementalDetokenizer(loaded.tokenizer)
         self.text = ""
         self.stats = GenerationStats()
-        room = len(self.context) + request.max_new_tokens + request.max_draft_tokens + 1
-        self.cache = new_kv_cache(self.loaded.model, room, generator.static_cache)
+        self.seq = 0
+        self.eos = loaded.eos_token_ids
+        self.draft: list[int] = []
+        self.draft_q: torch.Tensor | None = None
+        self.draft_s = 0.0
+        self.match = 0
+        self.committed: list[int] = []
 
-    def steps(self, should_stop: Callable[[], bool]) -> Iterator[DecodeStep]:
-        self._prefill()
-        seq = 0
-        while True:
-            if should_stop():
-                yield self._last(DecodeStep(seq, (), "", "cancelled"))
-                return
-            tokens, drafted = self._step()
-            tokens, finish = self._finish(tokens)
-            self.new += tokens
-            self.stats.new_tokens = len(self.new)
-            delta = self.detok.push(tokens)
-            delta, tokens, finish = self._stop_strings(delta, tokens, finish)
-            if finish is None and len(self.new) >= self.request.max_new_tokens:
-                finish = "length"
-            step = DecodeStep(seq, tuple(tokens), delta, finish, drafted)
-            if finish:
-                yield self._last(step)
-                return
-            yield step
-            seq += 1
-
-    def _last(self, step: DecodeStep) -> DecodeStep:
-        """The reply is over: let the drafter learn from it, attach the statistics."""
-        self.drafter.commit(self.context)
-        return dataclasses.replace(step, stats=self.stats)
-
-    def _prefill(self) -> None:
-        if len(self.context) > 1:
-            self._forward(self.context[:-1], keep_logits=1)
-
-    def _step(self) -> tuple[list[int], int]:
-        """One draft-and-verify step; returns the committed tokens and γ."""
+    def propose(self, max_gamma: int | None = None) -> None:
+        """This step's draft; `max_gamma` caps it below the request's own limit (a batch's budget)."""
         limit = self.request.max_new_tokens - len(self.new) - 1  # the step commits one token of its own
+        if max_gamma is not None:
+            limit = min(limit, max_gamma)
         started = time.perf_counter()
         if self.drafter.name == "none" or limit < 1:
             draft = EMPTY
@@ -280,50 +262,102 @@ class _Run:
         else:
             gamma = self.control.next_gamma(limit)
             draft = self.drafter.propose(self.context, gamma) if gamma else EMPTY
-        draft_s = time.perf_counter() - started
-        x = list(draft.tokens)
-        started = time.perf_counter()
-        logits = self._forward([self.context[-1], *x], keep_logits=len(x) + 1)  # [γ+1, V]
-        target_s = time.perf_counter() - started
+        self.draft_s = time.perf_counter() - started
+        self.draft, self.match = list(draft.tokens), draft.match
+        self.draft_q = None if draft.q is None else draft.q[: len(self.draft)]
+
+    def verify(self, logits: torch.Tensor, target_s: float, own_pass: bool = True) -> int:
+        """Accept a prefix of the draft from the target's logits [γ+1, V]; returns how many.
+
+        `own_pass`: the pass verified this request alone, so its time is this request's
+        verify cost (a batch's pass time is not, and teaches the controller nothing).
+        """
+        x = self.draft
         logits = apply_repetition_penalty(logits, self.context, x, self.sampling.repetition_penalty)
         if self.sampling.greedy:
             n, next_token = greedy_verify(x, logits)
         else:
-            q = None if draft.q is None else draft.q[: len(x)]
-            n, next_token = speculative_verify(x, logits_to_probs(logits, self.sampling), q, self.rng)
-        rollback(self.cache, len(self.context) + n)  # drop the keys and values of the rejected tail
-        committed = [*x[:n], next_token]
-        self.context += committed
-        self._account(len(x), n, draft_s, target_s, draft.match)
-        return committed, len(x)
+            n, next_token = speculative_verify(x, logits_to_probs(logits, self.sampling), self.draft_q, self.rng)
+        self.committed = [*x[:n], next_token]
+        self.context += self.committed
+        self._account(len(x), n, target_s, own_pass)
+        return n
 
-    def _account(self, drafted: int, accepted: int, draft_s: float, target_s: float, match: int) -> None:
+    def emit(self) -> DecodeStep:
+        """The step made of what `verify` committed, cut at EOS, a stop string or the token limit."""
+        tokens, finish = self.committed, None
+        for i, token in enumerate(tokens):
+            if token in self.eos:
+                tokens, finish = tokens[:i], "eos"
+                break
+        self.new += tokens
+        self.stats.new_tokens = len(self.new)
+        delta = self.detok.push(tokens)
+        delta, finish = self._stop_strings(delta, finish)
+        if finish is None and len(self.new) >= self.request.max_new_tokens:
+            finish = "length"
+        step = DecodeStep(self.seq, tuple(tokens), delta, finish, len(self.draft))
+        self.seq += 1
+        return self.last(step) if finish else step
+
+    def cancelled(self) -> DecodeStep:
+        return self.last(DecodeStep(self.seq, (), "", "cancelled"))
+
+    def last(self, step: DecodeStep) -> DecodeStep:
+        """The reply is over: let the drafter learn from it, attach the statistics."""
+        self.drafter.commit(self.context)
+        return dataclasses.replace(step, stats=self.stats)
+
+    def _account(self, drafted: int, accepted: int, target_s: float, own_pass: bool) -> None:
         self.stats.predicted_speedup_sum += self.control.predicted_speedup(drafted, self.drafter.model_free)
         self.stats.record(drafted, accepted)
-        self.stats.draft_s += draft_s
+        self.stats.draft_s += self.draft_s
         self.stats.target_s += target_s
-        self.control.verify.observe(drafted + 1, target_s)
+        if own_pass:
+            self.control.verify.observe(drafted + 1, target_s)
         plain_step_s = target_s / (1 + self.control.verify_cost_per_token * drafted)
-        cost = (draft_s / drafted) / plain_step_s if drafted and not self.drafter.model_free else None
-        self.control.observe(drafted, accepted, cost, match)
+        cost = (self.draft_s / drafted) / plain_step_s if drafted and not self.drafter.model_free else None
+        self.control.observe(drafted, accepted, cost, self.match)
 
-    def _finish(self, tokens: list[int]) -> tuple[list[int], str | None]:
-        for i, token in enumerate(tokens):
-            if token in self.loaded.eos_token_ids:
-                return tokens[:i], "eos"
-        return tokens, None
-
-    def _stop_strings(self, delta: str, tokens: list[int], finish: str | None) -> tuple[str, list[int], str | None]:
+    def _stop_strings(self, delta: str, finish: str | None) -> tuple[str, str | None]:
         """Cut the reply at the first stop string, even one that a draft carried in whole."""
         if not self.request.stop_strings:
-            return delta, tokens, finish
+            return delta, finish
         before = len(self.text)
         self.text += delta
         hits = [i for s in self.request.stop_strings if (i := self.text.find(s, max(0, before - len(s)))) >= 0]
         if not hits:
-            return delta, tokens, finish
+            return delta, finish
         cut = min(hits)
-        return self.text[before:cut] if cut > before else "", tokens, "stop"
+        return self.text[before:cut] if cut > before else "", "stop"
+
+
+class _Run:
+    """One request decoded alone, with a KV cache of its own."""
+
+    def __init__(self, generator: Generator, request: GenerationRequest) -> None:
+        self.loaded = generator.loaded
+        self.decoder = RequestDecoder(generator, request)
+        room = len(request.prompt_ids) + request.max_new_tokens + request.max_draft_tokens + 1
+        self.cache = new_kv_cache(self.loaded.model, room, generator.static_cache)
+
+    def steps(self, should_stop: Callable[[], bool]) -> Iterator[DecodeStep]:
+        decoder = self.decoder
+        if len(decoder.context) > 1:
+            self._forward(decoder.context[:-1], keep_logits=1)
+        while True:
+            if should_stop():
+                yield decoder.cancelled()
+                return
+            decoder.propose()
+            started = time.perf_counter()
+            logits = self._forward([decoder.context[-1], *decoder.draft], keep_logits=len(decoder.draft) + 1)
+            decoder.verify(logits, time.perf_counter() - started)
+            rollback(self.cache, len(decoder.context) - 1)  # drop the keys and values of the rejected tail
+            step = decoder.emit()
+            yield step
+            if step.finish_reason:
+                return
 
     def _forward(self, tokens: list[int], keep_logits: int) -> torch.Tensor:
         ids = torch.tensor([tokens], device=self.loaded.device)
