@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -50,21 +51,22 @@ def speech(synthesizer):
     return make
 
 
-@pytest.fixture(scope="session")
-def stack(redis_url, tmp_path_factory) -> Iterator[dict[str, str]]:
-    """`specvox up` as a user runs it, on free ports, sharing the test's Valkey."""
+@contextlib.contextmanager
+def specvox_up(redis_url: str, log_dir: Path, env: dict[str, str] | None = None,
+               args: tuple[str, ...] = ()) -> Iterator[dict[str, str]]:
+    """`specvox up` as a user runs it, on free ports, sharing the test's Valkey; Ctrl-C at the end."""
     ports = {name: free_port() for name in ("gateway", "asr", "llm", "tts")}
-    env = dict(os.environ, SPECVOX_REDIS_URL=redis_url, SPECVOX_LOG_LEVEL="WARNING")
-    env.update({f"SPECVOX_{name.upper()}_PORT": str(port) for name, port in ports.items()})
-    log = tmp_path_factory.mktemp("stack") / "up.log"
+    environ = dict(os.environ, SPECVOX_REDIS_URL=redis_url, SPECVOX_LOG_LEVEL="WARNING", **(env or {}))
+    environ.update({f"SPECVOX_{name.upper()}_PORT": str(port) for name, port in ports.items()})
+    log = log_dir / "up.log"
     with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "services.cli", "up"], cwd=ROOT, env=env,
+        process = subprocess.Popen([sys.executable, "-m", "services.cli", "up", *args], cwd=ROOT, env=environ,
                                    stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + STACK_START_TIMEOUT_S
     while b"all services ready" not in log.read_bytes():
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
-            pytest.fail(f"specvox up did not become ready:\n{log.read_text()[-3000:]}")
+            pytest.fail(f"specvox up {' '.join(args)} did not become ready:\n{log.read_text()[-3000:]}")
         time.sleep(0.5)
     yield {name: f"127.0.0.1:{port}" for name, port in ports.items()} | {"redis": redis_url}
     process.send_signal(2)  # Ctrl-C
@@ -74,6 +76,13 @@ def stack(redis_url, tmp_path_factory) -> Iterator[dict[str, str]]:
         process.kill()
         pytest.fail("specvox up did not stop within 30 s of Ctrl-C")
     assert process.returncode == 0, log.read_text()[-3000:]
+
+
+@pytest.fixture(scope="session")
+def stack(redis_url, tmp_path_factory) -> Iterator[dict[str, str]]:
+    """The four services, started by `specvox up`."""
+    with specvox_up(redis_url, tmp_path_factory.mktemp("stack")) as addresses:
+        yield addresses
 
 
 @pytest.fixture(scope="session")

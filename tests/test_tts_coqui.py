@@ -16,10 +16,8 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from itertools import pairwise
 from pathlib import Path
 
@@ -30,7 +28,7 @@ import pytest
 from pipeline.models import ModelNotFoundError
 from pipeline.tts.backend import TtsOptions, load_synthesizer
 from services.protos import load
-from tests.conftest import ROOT, STACK_START_TIMEOUT_S, free_port, write_wav
+from tests.conftest import ROOT, specvox_up, write_wav
 
 tts, tts_grpc = load("tts")
 TINY_RATE_HZ = 16_000  # the tiny VITS (tests/coqui_tiny_models.py); Piper's bundled voice speaks at 22,050
@@ -212,29 +210,11 @@ def test_the_main_env_says_how_to_get_the_coqui_backend():
 def coqui_tts_service(coqui_python, tiny_vits, redis_url, tmp_path_factory):
     """`specvox up --tts-python <the Coqui env's python>` with the tiny VITS, on free ports and
     the tests' Valkey: the tts service runs in the Coqui env, the other three in this one."""
-    ports = {name: free_port() for name in ("gateway", "asr", "llm", "tts")}
     checkpoint, config = tiny_vits
-    env = dict(os.environ, SPECVOX_REDIS_URL=redis_url, SPECVOX_LOG_LEVEL="WARNING", SPECVOX_TTS__BACKEND="coqui",
-               SPECVOX_TTS__COQUI_MODEL=checkpoint, SPECVOX_TTS__COQUI_CONFIG=config)
-    env.update({f"SPECVOX_{name.upper()}_PORT": str(port) for name, port in ports.items()})
-    log = tmp_path_factory.mktemp("coqui-stack") / "up.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--tts-python", coqui_python],
-                                   cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + STACK_START_TIMEOUT_S
-    while b"all services ready" not in log.read_bytes():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"specvox up --tts-python did not become ready:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
-    yield f"127.0.0.1:{ports['tts']}"
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        pytest.fail("specvox up did not stop within 30 s of Ctrl-C")
-    assert process.returncode == 0, log.read_text()[-3000:]
+    env = {"SPECVOX_TTS__BACKEND": "coqui", "SPECVOX_TTS__COQUI_MODEL": checkpoint,
+           "SPECVOX_TTS__COQUI_CONFIG": config}
+    with specvox_up(redis_url, tmp_path_factory.mktemp("coqui-stack"), env, ("--tts-python", coqui_python)) as up:
+        yield up["tts"]
 
 
 def test_up_refuses_a_tts_python_that_does_not_exist(tmp_path):
