@@ -16,7 +16,7 @@ from pathlib import Path
 from bench.prompts import load_prompts
 from pipeline.llm.batch import BatchedDecoder
 from pipeline.llm.engine import GenerationRequest, Generator
-from pipeline.llm.model import load_draft_model, load_model
+from pipeline.llm.model import load_model
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 
 SESSIONS = (1, 2, 4, 8)
@@ -27,7 +27,7 @@ VARIANTS = (("none", None), ("suffix", None), ("suffix", 16))
 
 def run(settings, max_new_tokens: int, json_path: str | None, sessions: tuple[int, ...] = SESSIONS) -> int:
     loaded = load_model(settings.llm)
-    generator = Generator(loaded, load_draft_model(settings.llm, loaded), settings.llm.early_exit_layers)
+    generator = Generator.from_options(loaded, settings.llm)
     generator.warm_up()
     dialogue = load_prompts()["dialogue"]
     encoded = [tuple(encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, p))) for p in dialogue]

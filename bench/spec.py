@@ -21,7 +21,7 @@ import torch
 
 from bench.prompts import load_prompts
 from pipeline.llm.engine import GenerationRequest, Generator
-from pipeline.llm.model import LlmOptions, load_draft_model, load_model
+from pipeline.llm.model import LlmOptions, load_model
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
@@ -31,8 +31,7 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
         workloads: tuple[str, ...] = ("dialogue", "caption")) -> int:
     prompts = load_prompts()
     loaded = load_model(settings.llm)
-    generator = Generator(loaded, load_draft_model(settings.llm, loaded), settings.llm.early_exit_layers,
-                          settings.llm.static_cache)
+    generator = Generator.from_options(loaded, settings.llm)
     control = Generator(loaded, static_cache=not settings.llm.static_cache)
     control_method = f"specvox-none-{'dynamic' if settings.llm.static_cache else 'static'}-cache"
     methods = ["hf-greedy", "hf-prompt-lookup", control_method,

@@ -233,13 +233,13 @@ def generate(settings, args) -> int:
     import json
 
     from pipeline.llm.engine import GenerationRequest, Generator
-    from pipeline.llm.model import load_draft_model, load_model
+    from pipeline.llm.model import load_model
     from pipeline.llm.prompts import Task, chat_messages, encode_chat
     from pipeline.llm.sampling import SamplingOptions
 
     options = dataclasses.replace(settings.llm, dtype=args.dtype or settings.llm.dtype)
     loaded = load_model(options)
-    generator = Generator(loaded, load_draft_model(options, loaded), options.early_exit_layers, options.static_cache)
+    generator = Generator.from_options(loaded, options)
     prompt = encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, args.prompt))
     sampling = SamplingOptions(args.temperature, args.top_k, args.top_p, seed=args.seed).validate()
     request = GenerationRequest(tuple(prompt), args.max_new_tokens, args.drafter or options.drafter, sampling,

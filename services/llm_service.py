@@ -11,7 +11,7 @@ import grpc
 
 from pipeline.llm.batch import BatchedDecoder, BatchScheduler
 from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator
-from pipeline.llm.model import LoadedModel, load_draft_model, load_model
+from pipeline.llm.model import LoadedModel, load_model
 from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, fit_history
 from pipeline.llm.sampling import SamplingOptions
 from services.grpc_server import ModelWorker, StageClock, serve, status_on_error
@@ -25,11 +25,10 @@ TASKS = {pb.ReplyRequest.CAPTION: Task.CAPTION}
 
 
 class LlmServicer(pb_grpc.LlmServicer):
-    def __init__(self, settings: Settings, loaded: LoadedModel, redis: RedisContext,
-                 draft_model: LoadedModel | None = None) -> None:
+    def __init__(self, settings: Settings, loaded: LoadedModel, redis: RedisContext) -> None:
         self.settings = settings
         self.loaded = loaded
-        self.generator = Generator(loaded, draft_model, settings.llm.early_exit_layers, settings.llm.static_cache)
+        self.generator = Generator.from_options(loaded, settings.llm)
         self.redis = redis
         self.sessions: SessionStore = redis.sessions
         self.turns: TurnStore = redis.turns
@@ -141,7 +140,7 @@ async def run(settings: Settings) -> None:
     redis = await open_redis(settings)
     print(f"specvox llm loading {settings.llm.model} ({settings.llm.dtype} on {settings.llm.device})", flush=True)
     loaded = load_model(settings.llm)
-    servicer = LlmServicer(settings, loaded, redis, load_draft_model(settings.llm, loaded))
+    servicer = LlmServicer(settings, loaded, redis)
     servicer.generator.warm_up()
     await serve(
         "llm",

@@ -29,7 +29,14 @@ from pipeline.llm.drafters import (
     PromptLookupDrafter,
     SuffixDrafter,
 )
-from pipeline.llm.model import LoadedModel, early_exit_model, new_kv_cache, rollback
+from pipeline.llm.model import (
+    LlmOptions,
+    LoadedModel,
+    early_exit_model,
+    load_draft_model,
+    new_kv_cache,
+    rollback,
+)
 from pipeline.llm.prompts import PromptTooLongError
 from pipeline.llm.sampling import (
     SamplingOptions,
@@ -139,6 +146,11 @@ class Generator:
         # Learned across requests: what a verified token costs here, how often matches hold.
         self.verify_cost = VerifyCost()
         self._match_acceptance: dict[tuple[str, int], MatchAcceptance] = {}
+
+    @classmethod
+    def from_options(cls, loaded: LoadedModel, options: LlmOptions) -> Generator:
+        """The target with the configured draft model, early-exit depth and KV cache kind."""
+        return cls(loaded, load_draft_model(options, loaded), options.early_exit_layers, options.static_cache)
 
     @property
     def drafters(self) -> tuple[str, ...]:
