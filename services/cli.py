@@ -104,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
 
             sessions = tuple(int(n) for n in args.sessions.split(","))
             return batch.run(settings, args.max_new_tokens, args.json_path, sessions)
-        import importlib
+        from bench import turn
 
-        return importlib.import_module(f"bench.{args.what}").run(settings, args.turns, args.json_path)
+        return turn.run(settings, args.turns, args.json_path)
     if args.command == "demo":
         from services.demo import run_demo
 

@@ -44,9 +44,9 @@ class TtsServicer(pb_grpc.TtsServicer):
             timeout_s = request.token_timeout_s or self.settings.token_timeout_s
             async for entry in read_token_stream(self.redis.client, request.turn_id, timeout_s):
                 clock.received()
-                for text in cutter.feed(entry.text) + (cutter.flush() if entry.end else []):
-                    async for event in self._speak(speaker, text, clock):
-                        yield event
+                phrases = cutter.feed(entry.text) + (cutter.flush() if entry.end else [])
+                async for event in self._speak(speaker, phrases, clock):
+                    yield event
             yield pb.SpeechEvent(times=clock.to_proto(pb.StageTimes))
 
     async def Synthesize(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator:
@@ -58,9 +58,8 @@ class TtsServicer(pb_grpc.TtsServicer):
             _check_length(len(request.text))
             speaker = self._speaker(request.sample_rate_hz)
             cutter = PhraseCutter(PhraseOptions(first_phrase_min_chars=1))
-            for text in cutter.feed(request.text) + cutter.flush():
-                async for event in self._speak(speaker, text, clock):
-                    yield event
+            async for event in self._speak(speaker, cutter.feed(request.text) + cutter.flush(), clock):
+                yield event
             yield _documents(speaker)
             yield pb.SpeechEvent(times=clock.to_proto(pb.StageTimes))
 
@@ -77,14 +76,12 @@ class TtsServicer(pb_grpc.TtsServicer):
                 chars += len(piece.text)
                 said_anything = said_anything or bool(piece.text.strip())
                 _check_length(chars)
-                for text in cutter.feed(piece.text):
-                    async for event in self._speak(speaker, text, clock):
-                        yield event
+                async for event in self._speak(speaker, cutter.feed(piece.text), clock):
+                    yield event
             if speaker is None or not said_anything:
                 raise ValueError("text is empty")
-            for text in cutter.flush():
-                async for event in self._speak(speaker, text, clock):
-                    yield event
+            async for event in self._speak(speaker, cutter.flush(), clock):
+                yield event
             yield _documents(speaker)
             yield pb.SpeechEvent(times=clock.to_proto(pb.StageTimes))
 
@@ -93,13 +90,14 @@ class TtsServicer(pb_grpc.TtsServicer):
             raise ValueError(f"sample_rate_hz {sample_rate_hz} is outside {MIN_SAMPLE_RATE_HZ}-{MAX_SAMPLE_RATE_HZ}")
         return ReplySpeaker(self.synthesizer, sample_rate_hz)
 
-    async def _speak(self, speaker: ReplySpeaker, text: str, clock: StageClock) -> AsyncIterator:
-        """A phrase's events, one synthesized piece at a time (a cancel lands between pieces)."""
-        async for piece in self.worker.iterate(speaker.speak(text)):
-            for event in _events(piece):
-                if event.WhichOneof("event") == "audio":
-                    clock.emitted()
-                yield event
+    async def _speak(self, speaker: ReplySpeaker, phrases: list[str], clock: StageClock) -> AsyncIterator:
+        """The phrases' events, one synthesized piece at a time (a cancel lands between pieces)."""
+        for text in phrases:
+            async for piece in self.worker.iterate(speaker.speak(text)):
+                for event in _events(piece):
+                    if event.WhichOneof("event") == "audio":
+                        clock.emitted()
+                    yield event
 
 
 def _events(piece: SpeechPiece) -> list:
