@@ -223,12 +223,9 @@ class UtteranceSegmenter:
         while spans:
             silence_after = self._buffer.size - spans[-1]["end"]
             too_long = spans[-1]["end"] - spans[0]["start"] >= longest
-            if len(spans) > 1:
-                first = spans.pop(0)
-            elif final or silence_after >= needed or too_long:
-                first = spans.pop(0)
-            else:
-                break
+            if len(spans) == 1 and not (final or silence_after >= needed or too_long):
+                break  # the last span is still being spoken
+            first = spans.pop(0)
             closed.append(self._close(first["start"], first["end"]))
             dropped = first["end"] // VAD_WINDOW * VAD_WINDOW  # what _close forgot of the buffer
             spans = [{"start": s["start"] - dropped, "end": s["end"] - dropped} for s in spans]
