@@ -206,8 +206,8 @@ def _model_key(options: AsrOptions) -> tuple:
 
 def summarise(rows: list[dict], options: AsrOptions) -> dict:
     def pct(name: str, q: float) -> float | None:
-        values = sorted(r[name] for r in rows if r.get(name) is not None)
-        return values[min(len(values) - 1, round(q * (len(values) - 1)))] if values else None
+        values = [r[name] for r in rows if r.get(name) is not None]
+        return np.percentile(values, q * 100, method="nearest").item() if values else None
 
     summary: dict = {"options": {f.name: getattr(options, f.name) for f in fields(options)}, "clips": len(rows),
                      "split_clips": sum(r["utterances"] > 1 for r in rows)}

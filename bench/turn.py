@@ -13,6 +13,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from bench.prompts import load_prompts
 from services.client import ClientOptions, converse
 from services.demo import _start_stack, _wait_ready
@@ -68,10 +70,6 @@ def print_table(rows: list[dict]) -> None:
     print(f"\n{'question':<48} " + " ".join(f"{c:>19}" for c in cols))
     for row in rows:
         print(f"{row['question'][:47]:<48} " + " ".join(f"{row[c]:>19}" for c in cols))
-    for name, fn in (("p50", statistics.median), ("p95", _p95)):
+    for name, fn in (("p50", statistics.median), ("p95", lambda v: np.percentile(v, 95, method="nearest"))):
         print(f"{name:<48} " + " ".join(f"{fn([r[c] for r in rows]):>19.0f}" for c in cols))
 
-
-def _p95(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
