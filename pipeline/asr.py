@@ -57,7 +57,8 @@ class AsrOptions:
     agreement_n: int = 2  # LocalAgreement-n: hypotheses that must agree before a word is committed
     # A partial pass that heard this much silence after the speech is the final: it runs while
     # the rest of end_of_speech_silence_ms is awaited, so the final is ready when the VAD closes.
-    final_reuse_margin_ms: int = 100
+    # 64: two Silero windows, as soon as the VAD can tell that the speech has stopped.
+    final_reuse_margin_ms: int = 64
     # Once the speech has ended, trailing words whisper is less sure of than this are dropped
     # (its additions to the silence after an utterance; see asr_stream.spoken_words). 0: off.
     tail_min_probability: float = 0.5

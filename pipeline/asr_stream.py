@@ -170,10 +170,10 @@ AsrEvent = SpeechStarted | PartialTranscript | FinalTranscript
 class StreamingRecognizer:
     """VAD, partial passes and LocalAgreement over one audio stream; blocking (a model thread).
 
-    A partial pass runs when `partial_every_ms` of new audio has arrived since the last
-    one, and once more when `final_reuse_margin_ms` of silence follows the speech. At end of
-    speech the final reuses that last pass if it heard the whole utterance, so the final
-    costs no transcription of its own.
+    A partial pass runs when `partial_every_ms` of new audio has arrived since the last one
+    while the user speaks, and once when `final_reuse_margin_ms` of silence follows the
+    speech. At end of speech the final reuses that last pass if it heard the whole utterance,
+    so the final costs no transcription of its own.
     """
 
     def __init__(self, options: AsrOptions, transcriber: Transcriber, language: str | None = None) -> None:
