@@ -9,12 +9,16 @@ puts the two together into partial and final transcripts.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pipeline.models import not_found_offline, resolve_asr
+
+if TYPE_CHECKING:
+    from faster_whisper.tokenizer import Tokenizer
 
 SAMPLE_RATE_HZ = 16_000  # what Whisper and Silero VAD expect
 VAD_FRAME_MS = 32  # Silero's window: 512 samples at 16 kHz
@@ -24,6 +28,9 @@ MAX_TOKENS_PER_S = 10  # fast speech is ~4 words/s; more tokens than this is a r
 # Whisper fed a cut-off utterance sometimes loops ("tell me about the tell me about the"); no
 # 5-token sequence may repeat within one pass (speech rarely repeats 4 words in an utterance).
 NO_REPEAT_NGRAM_TOKENS = 5
+# faster-whisper's default silence check: a pass whose no-speech probability is above this
+# and whose mean token log probability is below NO_SPEECH_LOGPROB heard no speech.
+NO_SPEECH_PROBABILITY, NO_SPEECH_LOGPROB = 0.6, -1.0
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,8 @@ class AsrOptions:
     agreement_n: int = 2  # LocalAgreement-n: hypotheses that must agree before a word is committed
     # A partial pass that heard this much silence after the speech is the final: it runs while
     # the rest of end_of_speech_silence_ms is awaited, so the final is ready when the VAD closes.
-    final_reuse_margin_ms: int = 100
+    # 64: two Silero windows, as soon as the VAD can tell that the speech has stopped.
+    final_reuse_margin_ms: int = 64
     # Once the speech has ended, trailing words whisper is less sure of than this are dropped
     # (its additions to the silence after an utterance; see asr_stream.spoken_words). 0: off.
     tail_min_probability: float = 0.5
@@ -293,6 +301,7 @@ class Transcriber:
                 raise not_found_offline("asr", options.model, e) from e
             raise
         self.check_language(options.language)
+        self._decoding = _decoding_options(self.model, options)
 
     def warm_up(self) -> None:
         """One pass on a second of faint noise, so the first user turn does not pay for it."""
@@ -309,24 +318,65 @@ class Transcriber:
         return language
 
     def transcribe(self, utterance: Utterance, language: str | None = None) -> Transcript:
-        """`language`: None for `options.language`."""
-        segments, _ = self.model.transcribe(
-            utterance.audio,
-            language=(self.options.language if language is None else language) or None,
-            beam_size=self.options.beam_size,
-            word_timestamps=True,
-            without_timestamps=self.options.without_timestamps,
-            condition_on_previous_text=False,
-            vad_filter=False,
-            # One greedy pass: no re-decoding at higher temperatures (a cut-off partial
-            # would trigger it, 6 passes for one result), and no runaway repetition.
-            temperature=0.0,
-            max_new_tokens=MAX_TOKENS_PER_S * (1 + int(utterance.audio.size / SAMPLE_RATE_HZ)),
-            no_repeat_ngram_size=NO_REPEAT_NGRAM_TOKENS,
-        )
+        """One decoding pass over the utterance; `language`: None for `options.language`.
+
+        faster-whisper's `transcribe` goes on after a window's last word: it encodes and
+        decodes the audio from there to the end once more, here the ~0.3 s of padding after
+        the speech. That second pass cost ~40% of each pass and gave only words whisper
+        invents for silence (which `asr_stream.spoken_words` drops). An utterance is at most
+        `max_utterance_s` (< 30 s), so Whisper's first window holds all of it: this runs
+        faster-whisper's own steps for that one window.
+        """
+        from faster_whisper.audio import pad_or_trim
+
+        model = self.model
+        features = model.feature_extractor(utterance.audio)
+        frames = min(features.shape[-1] - 1, model.feature_extractor.nb_max_frames)  # the last is stft padding
+        encoder_output = model.encode(pad_or_trim(features[:, :frames]))
+        tokenizer = self._tokenizer(self.options.language if language is None else language, encoder_output)
+        max_new_tokens = MAX_TOKENS_PER_S * (1 + int(utterance.audio.size / SAMPLE_RATE_HZ))
+        options = replace(self._decoding, max_new_tokens=max_new_tokens)
+        prompt = model.get_prompt(tokenizer, [], without_timestamps=options.without_timestamps)
+        result, avg_logprob, _, _ = model.generate_with_fallback(encoder_output, prompt, tokenizer, options)
+        if result.no_speech_prob > NO_SPEECH_PROBABILITY and avg_logprob <= NO_SPEECH_LOGPROB:
+            return Transcript(text="", words=())  # whisper's own silence check, as its transcribe skips it
+        duration_s = frames * model.feature_extractor.time_per_frame
+        segments, _, _ = model._split_segments_by_timestamps(tokenizer, result.sequences_ids[0], 0.0, frames,
+                                                             duration_s, 0)
+        model.add_word_timestamps([segments], tokenizer, encoder_output, frames, options.prepend_punctuations,
+                                  options.append_punctuations, last_speech_timestamp=0.0)
         words = tuple(_shift_words(segments, utterance.audio_start_s))
-        text = "".join(w.text for w in words).strip()
-        return Transcript(text=text, words=words)
+        return Transcript(text=join_words(words), words=words)
+
+    def _tokenizer(self, language: str, encoder_output) -> Tokenizer:
+        """The tokenizer for `language`; "" on a multilingual model: the language it detects in the audio."""
+        from faster_whisper.tokenizer import Tokenizer
+
+        multilingual = self.model.model.is_multilingual
+        if multilingual and not language:
+            language = self.model.model.detect_language(encoder_output)[0][0][0][2:-2]  # "<|de|>" -> "de"
+        return Tokenizer(self.model.hf_tokenizer, multilingual, task="transcribe",
+                         language=language if multilingual else "en")
+
+
+def _decoding_options(model, options: AsrOptions):
+    """faster-whisper's options for our passes: one greedy pass at temperature 0 (no re-decoding at
+    higher temperatures: a cut-off partial would trigger it, 6 passes for one result), word timings,
+    no runaway repetition; `max_new_tokens` is set per pass."""
+    from faster_whisper.tokenizer import Tokenizer
+    from faster_whisper.transcribe import TranscriptionOptions, get_suppressed_tokens
+
+    tokenizer = Tokenizer(model.hf_tokenizer, model.model.is_multilingual, task="transcribe", language="en")
+    return TranscriptionOptions(
+        beam_size=options.beam_size, best_of=1, patience=1.0, length_penalty=1.0, repetition_penalty=1.0,
+        no_repeat_ngram_size=NO_REPEAT_NGRAM_TOKENS, log_prob_threshold=NO_SPEECH_LOGPROB,
+        no_speech_threshold=NO_SPEECH_PROBABILITY, compression_ratio_threshold=None,
+        condition_on_previous_text=False, prompt_reset_on_temperature=0.5, temperatures=[0.0],
+        initial_prompt=None, prefix=None, suppress_blank=True, suppress_tokens=get_suppressed_tokens(tokenizer, [-1]),
+        without_timestamps=options.without_timestamps, max_initial_timestamp=1.0, word_timestamps=True,
+        prepend_punctuations="\"'“¿([{-", append_punctuations="\"'.。,，!！?？:：”)]}、", multilingual=False,
+        max_new_tokens=None, clip_timestamps=[], hallucination_silence_threshold=None, hotwords=None,
+    )
 
 
 def _whisper_class() -> type:
@@ -362,12 +412,18 @@ def trimmed_whisper_class(min_frames: int) -> type:
     return TrimmedWhisper
 
 
-def _shift_words(segments: Iterator, offset_s: float) -> Iterator[Word]:
+def _shift_words(segments: list[dict], offset_s: float) -> Iterator[Word]:
     for segment in segments:
-        for w in segment.words or ():
+        if segment["start"] == segment["end"]:
+            continue  # faster-whisper's transcribe drops such segments too
+        for w in segment.get("words", ()):
             yield Word(
-                text=w.word,
-                start_s=round(offset_s + w.start, 3),
-                end_s=round(offset_s + w.end, 3),
-                probability=float(w.probability),
+                text=w["word"],
+                start_s=round(offset_s + w["start"], 3),
+                end_s=round(offset_s + w["end"], 3),
+                probability=float(w["probability"]),
             )
+
+
+def join_words(words: Iterable[Word]) -> str:
+    return "".join(w.text for w in words).strip()

@@ -23,7 +23,7 @@ from itertools import takewhile
 
 import numpy as np
 
-from pipeline.asr import AsrOptions, Transcriber, Utterance, UtteranceSegmenter, Word
+from pipeline.asr import AsrOptions, Transcriber, Utterance, UtteranceSegmenter, Word, join_words
 
 # Whisper's word timings jitter; a word starting this early before the last committed
 # word's end is still taken as new (the paper uses the same 0.1 s slack).
@@ -34,6 +34,11 @@ MAX_OVERLAP_WORDS = 5
 EDGE_GUARD_S = 0.3
 
 
+def _ms(seconds: float) -> int:
+    """Seconds as whole milliseconds, so that 1.5 s - 1.3 s counts as 200 ms (not 199.99...)."""
+    return round(seconds * 1000)
+
+
 def norm_word(text: str) -> str:
     """A word as hypotheses are compared: lower case, letters and digits only."""
     return "".join(c for c in text.lower() if c.isalnum())
@@ -42,10 +47,6 @@ def norm_word(text: str) -> str:
 def normalised_text(text: str) -> str:
     """Text as two transcripts are compared (preemptive turns): words of `norm_word`."""
     return " ".join(w for w in (norm_word(t) for t in text.split()) if w)
-
-
-def join_words(words: Sequence[Word]) -> str:
-    return "".join(w.text for w in words).strip()
 
 
 class LocalAgreement:
@@ -73,9 +74,13 @@ class LocalAgreement:
         self.tentative = history[-1][len(agreed):]
         return agreed
 
-    def finish(self, hypothesis: Sequence[Word]) -> list[Word]:
-        """End of the utterance: committed words plus the rest of the last hypothesis; resets."""
-        words = [*self.committed, *self.unseen(hypothesis)]
+    def finish(self, hypothesis: Sequence[Word] | None = None) -> list[Word]:
+        """End of the utterance: committed words plus the rest of the last hypothesis; resets.
+
+        None: the hypothesis last given to `update` is the last (its rest is `tentative`; taking
+        its unseen words again would add those it had just committed a second time).
+        """
+        words = [*self.committed, *(self.tentative if hypothesis is None else self.unseen(hypothesis))]
         self.committed, self.tentative, self._recent = [], [], []
         return words
 
@@ -104,15 +109,17 @@ def _common_prefix(hypotheses: list[list[Word]]) -> list[Word]:
 def spoken_words(words: Sequence[Word], utterance: Utterance, ended: bool = False,
                  tail_min_probability: float = 0.0) -> tuple[Word, ...]:
     """The words that begin before the VAD's end of speech; once the speech has `ended`, less
-    the trailing words whisper gave a probability below `tail_min_probability`.
+    the trailing words whisper gave a probability below `tail_min_probability` or no duration.
 
     Whisper, given the silence after an utterance, often goes on with words of its own
     ("I'm going to go ahead and", "Thank you.", "and and"): timed at or after the end of the
-    speech (Silero's end already runs ~50 ms past the real one), or just before it with a low
-    probability (0.1-0.5 where the spoken words of the same passes had 0.8-1.0).
+    speech (Silero's end already runs ~50 ms past the real one), just before it with a low
+    probability (0.1-0.5 where the spoken words of the same passes had 0.8-1.0), or as the
+    utterance once more, every word aligned to the same instant at the end of the speech.
     """
     spoken = [w for w in words if w.start_s < utterance.speech_end_s]
-    while ended and spoken and spoken[-1].probability < tail_min_probability:
+    while ended and spoken and (spoken[-1].probability < tail_min_probability
+                                or spoken[-1].end_s <= spoken[-1].start_s):
         spoken.pop()
     return tuple(spoken)
 
@@ -163,10 +170,10 @@ AsrEvent = SpeechStarted | PartialTranscript | FinalTranscript
 class StreamingRecognizer:
     """VAD, partial passes and LocalAgreement over one audio stream; blocking (a model thread).
 
-    A partial pass runs when `partial_every_ms` of new audio has arrived since the last
-    one, and once more when `final_reuse_margin_ms` of silence follows the speech. At end of
-    speech the final reuses that last pass if it heard the whole utterance, so the final
-    costs no transcription of its own.
+    A partial pass runs when `partial_every_ms` of new audio has arrived since the last one
+    while the user speaks, and once when `final_reuse_margin_ms` of silence follows the
+    speech. At end of speech the final reuses that last pass if it heard the whole utterance,
+    so the final costs no transcription of its own.
     """
 
     def __init__(self, options: AsrOptions, transcriber: Transcriber, language: str | None = None) -> None:
@@ -178,7 +185,6 @@ class StreamingRecognizer:
         self.agreement = LocalAgreement(options.agreement_n)
         self._pass_index = -1  # utterance of the last pass
         self._pass_heard_s = 0.0
-        self._pass_words: tuple[Word, ...] = ()
 
     def feed(self, samples: np.ndarray) -> list[AsrEvent]:
         was_active = self.segmenter.speech_active
@@ -199,20 +205,23 @@ class StreamingRecognizer:
         return [self._final(u) for u in self.segmenter.finish()]
 
     def _pass_due(self, utterance: Utterance) -> bool:
-        heard_s = self.segmenter.stream_s
-        if self._pass_index != utterance.index:
-            return heard_s - utterance.speech_start_s >= self.options.partial_every_ms / 1000
-        if heard_s - self._pass_heard_s >= self.options.partial_every_ms / 1000:
-            return True
-        margin_s = self.options.final_reuse_margin_ms / 1000
-        return self.segmenter.silence_after_s >= margin_s > self._pass_heard_s - utterance.speech_end_s
+        """A pass once `partial_every_ms` of new audio has come while the user speaks. Once the VAD
+        hears silence, only the pass that hears `final_reuse_margin_ms` of it (the final, if the
+        silence lasts): a pass over silence finds no new words, and one still running when the
+        VAD closes the utterance would hold the final back."""
+        o = self.options
+        if self.segmenter.silence_after_s > 0:
+            heard_since_end = self._pass_heard_s - utterance.speech_end_s if self._pass_index == utterance.index else -1
+            return _ms(self.segmenter.silence_after_s) >= o.final_reuse_margin_ms > _ms(heard_since_end)
+        since_s = self._pass_heard_s if self._pass_index == utterance.index else utterance.speech_start_s
+        return _ms(self.segmenter.stream_s - since_s) >= o.partial_every_ms
 
     def _partial(self, utterance: Utterance) -> PartialTranscript:
         heard_s = self.segmenter.stream_s  # the pass's audio may stop short of it (silence)
-        ending = heard_s - utterance.speech_end_s >= self.options.final_reuse_margin_ms / 1000
+        ending = _ms(heard_s - utterance.speech_end_s) >= self.options.final_reuse_margin_ms
         words = spoken_words(self.transcriber.transcribe(utterance, self.language).words, utterance, ending,
                              self.options.tail_min_probability)
-        self._pass_index, self._pass_words, self._pass_heard_s = utterance.index, words, heard_s
+        self._pass_index, self._pass_heard_s = utterance.index, heard_s
         self.agreement.update(words, math.inf if ending else self._pass_heard_s - EDGE_GUARD_S)
         return PartialTranscript(
             utterance_index=utterance.index,
@@ -225,11 +234,10 @@ class StreamingRecognizer:
         )
 
     def _final(self, utterance: Utterance) -> FinalTranscript:
-        margin_s = self.options.final_reuse_margin_ms / 1000
-        reuse = self._pass_index == utterance.index and self._pass_heard_s >= utterance.speech_end_s + margin_s
-        words = self._pass_words if reuse else spoken_words(
-            self.transcriber.transcribe(utterance, self.language).words, utterance, True,
-            self.options.tail_min_probability)
+        reuse = (self._pass_index == utterance.index
+                 and _ms(self._pass_heard_s - utterance.speech_end_s) >= self.options.final_reuse_margin_ms)
+        words = None if reuse else spoken_words(self.transcriber.transcribe(utterance, self.language).words,
+                                                utterance, True, self.options.tail_min_probability)
         final = FinalTranscript(utterance, tuple(self.agreement.finish(words)), reused_partial=reuse)
-        self._pass_index, self._pass_words = -1, ()
+        self._pass_index = -1
         return final

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from pipeline.asr import (
+    MAX_TOKENS_PER_S,
+    NO_REPEAT_NGRAM_TOKENS,
     SAMPLE_RATE_HZ,
     VAD_WINDOW,
     AsrOptions,
@@ -47,6 +49,30 @@ def test_two_utterances_are_closed_by_silence_and_transcribed(speech, transcribe
         starts = [w.start_s for w in spoken]
         assert starts == sorted(starts)
         assert utterance.audio_start_s <= starts[0] and spoken[-1].end_s <= audio.size / SAMPLE_RATE_HZ
+
+
+def test_a_pass_decodes_whispers_first_window_only(speech, transcriber):
+    """faster-whisper's transcribe decodes the audio after a window's last word once more (here the
+    padding after the speech); a pass encodes once and gives the first window's words, as they were."""
+    closed, at_end = stream(UtteranceSegmenter(AsrOptions()), speech("Can you recommend a good book?"))
+    utterance = (closed + at_end)[0]
+    encodes: list[int] = []
+    encode = transcriber.model.encode
+    transcriber.model.encode = lambda features: encodes.append(1) or encode(features)  # counts, runs the real one
+    try:
+        ours = transcriber.transcribe(utterance)
+        assert len(encodes) == 1
+        segments, _ = transcriber.model.transcribe(
+            utterance.audio, language="en", beam_size=1, word_timestamps=True, without_timestamps=True,
+            condition_on_previous_text=False, temperature=0.0, no_repeat_ngram_size=NO_REPEAT_NGRAM_TOKENS,
+            max_new_tokens=MAX_TOKENS_PER_S * (1 + int(utterance.audio.size / SAMPLE_RATE_HZ)))
+        stock = [(w.word, round(utterance.audio_start_s + w.start, 3))
+                 for s in segments if s.seek == 0 for w in s.words]
+        assert len(encodes) > 2  # the stock pass went on to a second window
+    finally:
+        del transcriber.model.encode
+    assert [(w.text, w.start_s) for w in ours.words] == stock
+    assert _norm(ours.text) == "can you recommend a good book"
 
 
 def test_streamed_vad_probabilities_and_spans_equal_faster_whispers_whole_buffer_pass(speech):

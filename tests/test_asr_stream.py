@@ -136,6 +136,21 @@ def test_two_utterances_stream_partials_then_finals(request, transcriber, voice,
     assert done[0].words[-1].end_s <= done[1].words[0].start_s
 
 
+def test_a_partial_every_200_ms_of_speech_then_one_pass_in_the_silence(speech, transcriber):
+    options = AsrOptions(end_of_speech_silence_ms=1000)  # the utterance stays open through the silence
+    audio = np.concatenate([speech("Tell me something interesting about the moon."),
+                            np.zeros(SAMPLE_RATE_HZ * 3 // 4, np.float32)])
+    events = stream(StreamingRecognizer(options, transcriber), audio)  # 100 ms chunks
+    partials = [e for e in events if isinstance(e, PartialTranscript)]
+    speaking = [p.heard_s for p in partials if p.heard_s == p.speech_end_s]  # no silence heard yet
+    assert len(speaking) >= 5 and np.allclose(np.diff(speaking), options.partial_every_ms / 1000)
+    # Silence begun: passes stop but for the one that hears final_reuse_margin_ms of it, and the final reuses it.
+    in_silence = [p for p in partials if p.heard_s > p.speech_end_s]
+    assert [p.speech_ending for p in in_silence] == [True] and in_silence[0] is partials[-1]
+    (final,) = finals(events)
+    assert final.reused_partial and final.words == (*in_silence[0].committed, *in_silence[0].tentative)
+
+
 def test_silence_only_gives_no_events(transcriber):
     assert stream(StreamingRecognizer(AsrOptions(), transcriber), np.zeros(5 * SAMPLE_RATE_HZ, np.float32)) == []
 
@@ -196,3 +211,20 @@ def test_words_whisper_adds_to_the_silence_after_the_speech_are_dropped():
     # Once the speech has ended, an unsure last word goes too; an unsure word inside the speech stays.
     assert texts(spoken_words(hypothesis, utterance, ended=True, tail_min_probability=0.5)) == ["how", "now?"]
     assert texts(spoken_words(hypothesis, utterance, ended=False, tail_min_probability=0.5)) == ["how", "now?", "And"]
+    # The utterance said once more, every word aligned to one instant at the end of the speech.
+    again = [Word(" how", 0.5, 0.8, 0.9), Word(" now?", 0.8, 1.95, 0.9), Word(" How", 1.95, 1.95, 0.8),
+             Word(" now?", 1.95, 1.95, 0.95)]
+    assert texts(spoken_words(again, utterance, ended=True, tail_min_probability=0.5)) == ["how", "now?"]
+
+
+def test_the_last_hypothesis_ends_the_utterance_without_its_words_twice():
+    agreement = LocalAgreement(n=2)
+    # Whisper's repeat of the utterance, every word at one instant: unseen() would take all six again.
+    said = words("tell me about the moon now")
+    stacked = [*said, *(Word(w.text, 1.8, 1.8, 0.9) for w in said)]
+    agreement.update(stacked)
+    agreement.update(stacked)  # all agreed, all committed
+    assert texts(agreement.finish()) == texts(stacked)  # no hypothesis: the last one given to update
+    agreement.update(words("good morning"))
+    agreement.update(words("good morning to you"))
+    assert texts(agreement.finish()) == ["good", "morning", "to", "you"]
