@@ -73,6 +73,8 @@ def test_piper_decodes_a_sentence_in_pieces_that_join_into_its_whole_audio(synth
     stock_voice = PiperVoice.load(files.model_path, files.config_path)  # the graph run whole
     [stock] = [c.audio_float_array for c in stock_voice.synthesize(text, whole)]
     assert np.abs(np.concatenate([p.audio for p in pieces]) - stock).max() < 1e-4
+    later = list(synthesizer.stream(text, after_s=2.0))  # with 2 s of the reply out already: no hurry
+    assert len(later) == 1 and np.abs(later[0].audio - stock).max() < 1e-4
 
 
 def check_track(track: CaptionTrack, end_s: float) -> None:

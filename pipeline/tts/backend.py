@@ -61,8 +61,13 @@ class Synthesizer(Protocol):
 
     def warm_up(self) -> None: ...
 
-    def stream(self, text: str) -> Iterator[Synthesis]:
-        """The audio of `text` in pieces, in order, as soon as each exists (blocking)."""
+    def stream(self, text: str, after_s: float = 0.0) -> Iterator[Synthesis]:
+        """The audio of `text` in pieces, in order, as soon as each exists (blocking).
+
+        `after_s`: how much of the reply's audio is out before this text. A backend that
+        chooses its pieces makes them larger the more there is: only audio the listener
+        is about to run out of is worth the cost of many small pieces.
+        """
         ...
 
     def synthesize(self, text: str, sample_rate_hz: int = 0) -> np.ndarray:

@@ -69,15 +69,20 @@ class PiperSynthesizer:
     def warm_up(self) -> None:
         self.synthesize("Hello there.")
 
-    def stream(self, text: str) -> Iterator[Synthesis]:
-        """Each sentence's audio in pieces as they are decoded, each with the words that end in it."""
+    def stream(self, text: str, after_s: float = 0.0) -> Iterator[Synthesis]:
+        """Each sentence's audio in pieces as they are decoded, each with the words that end in it.
+
+        A piece is at most `PIECE_GROWTH` times the audio out before it, `after_s` included:
+        a reply's first sentence comes in a few pieces, those after it mostly whole.
+        """
+        out_frames = round(after_s * self.sample_rate_hz / self.phonemizer.config.hop_length)
         sentences = [s for s in self.phonemizer.phonemize(text) if s]
         words = text.split()
         groups = self._espeak_words_per_word(sentences, words) if self.aligned else None
         first = 0  # the text's next word
         for phonemes in sentences:
             phonemes = [p for p in phonemes if p in self.phonemizer.config.phoneme_id_map]  # those the voice can say
-            widths, pieces = self.model.run(self.phonemizer.phonemes_to_ids(phonemes), self.inputs)
+            widths, pieces = self.model.run(self.phonemizer.phonemes_to_ids(phonemes), self.inputs, out_frames)
             spans: list[tuple[str, int, int]] | None = None
             if groups is not None and widths is not None:
                 sizes = _take(groups, first, _count_words(phonemes))
@@ -97,6 +102,7 @@ class PiperSynthesizer:
                     timings = tuple(WordTiming(w, (a - start) / rate, (b - start) / rate) for w, a, b in ending)
                 yield Synthesis(audio, rate, timings)
                 start = end
+            out_frames += start // self.phonemizer.config.hop_length
 
     def _espeak_words_per_word(self, sentences: list[list[str]], words: list[str]) -> list[int] | None:
         """How many words espeak makes of each word ("COVID-19" → 2); None if that does not add up."""
@@ -206,26 +212,31 @@ class _VoiceModel:
         decoder = extractor.extract_model([latent, *(name for name in inputs if name == "sid")], [audio])
         return cls(_session(encoder, options), _session(decoder, options), latent, bool(widths))
 
-    def run(self, ids: list[int], inputs: dict[str, np.ndarray]) -> tuple[np.ndarray | None, Iterator[np.ndarray]]:
-        """Each phoneme id's width in frames (None if unknown) at once; the audio in pieces, each when asked for."""
+    def run(self, ids: list[int], inputs: dict[str, np.ndarray],
+            out_frames: int = 0) -> tuple[np.ndarray | None, Iterator[np.ndarray]]:
+        """Each phoneme id's width in frames (None if unknown) at once; the audio in pieces, each when asked for.
+
+        `out_frames`: the audio out before this sentence, in frames (see `_decode`).
+        """
         feed = {"input": np.array([ids], dtype=np.int64), "input_lengths": np.array([len(ids)], dtype=np.int64)}
         outputs = self.encoder.run(None, feed | inputs)
         widths = outputs[1].reshape(-1).astype(np.int64) if self.aligned else None
         if self.decoder is None:
             return widths, iter([_audio(outputs[0])])
-        return widths, self._decode(outputs[0], {k: v for k, v in inputs.items() if k == "sid"})
+        return widths, self._decode(outputs[0], {k: v for k, v in inputs.items() if k == "sid"}, out_frames)
 
-    def _decode(self, latent: np.ndarray, inputs: dict[str, np.ndarray]) -> Iterator[np.ndarray]:
-        """A short first piece, then pieces that grow with the audio already out; each decoded with its context."""
+    def _decode(self, latent: np.ndarray, inputs: dict[str, np.ndarray], out_frames: int) -> Iterator[np.ndarray]:
+        """Pieces of `PIECE_GROWTH` times the frames already out (at least `FIRST_PIECE_FRAMES`), with context."""
         assert self.decoder is not None
-        frames, start, size = latent.shape[-1], 0, FIRST_PIECE_FRAMES
+        frames, start = latent.shape[-1], 0
         while start < frames:
+            size = max(FIRST_PIECE_FRAMES, PIECE_GROWTH * (out_frames + start))
             end = frames if frames - (start + size) < FIRST_PIECE_FRAMES else start + size
             low, high = max(0, start - DECODER_CONTEXT), min(frames, end + DECODER_CONTEXT)
             audio = _audio(self.decoder.run(None, {self.latent: latent[..., low:high]} | inputs)[0])
             per_frame = audio.size // (high - low)
             yield audio[(start - low) * per_frame : (end - low) * per_frame]
-            start, size = end, PIECE_GROWTH * end
+            start = end
 
 
 def _audio(output: np.ndarray) -> np.ndarray:

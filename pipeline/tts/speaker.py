@@ -59,7 +59,7 @@ class ReplySpeaker:
         self._next_index += 1
         timer = _WordTimer(said, start_s)
         resampler = _Resampler(self.synthesizer.sample_rate_hz, self.sample_rate_hz)
-        for piece in self.synthesizer.stream(said.spoken):
+        for piece in self.synthesizer.stream(said.spoken, after_s=start_s):
             piece_start_s = self._next_start_s
             audio = self._advance(resampler.feed(piece.audio))
             cues = timer.place(piece, piece_start_s, self._next_start_s)
