@@ -118,6 +118,18 @@ def test_words_the_voice_cannot_align_are_placed_in_proportion(synthesizer):
     assert lengths["chip"] > lengths["a"]
 
 
+def test_a_voice_graph_without_piper_s_decoder_node_runs_whole_and_still_times_words(synthesizer, monkeypatch):
+    from pipeline.tts import piper_backend
+
+    monkeypatch.setattr(piper_backend, "DECODER_INPUT_NODE", "/no/such/node")  # as a graph exported otherwise
+    whole = piper_backend.PiperSynthesizer(piper_backend.TtsOptions(noise_scale=0.0, noise_w_scale=0.0))
+    assert whole.model.decoder is None and whole.aligned
+    text = "Well, I paid forty dollars for that."
+    [piece] = list(whole.stream(text))
+    assert [w.text for w in piece.words or ()] == text.split()
+    assert np.abs(piece.audio - synthesizer.synthesize(text)).max() < 1e-4
+
+
 def test_a_phrase_resampled_in_pieces_sounds_as_if_resampled_whole(synthesizer):
     """Pieces that join mid-word are resampled as one signal: no seam where they meet."""
     text = "The pieces of this sentence meet in the middle of its words."
