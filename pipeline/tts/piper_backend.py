@@ -1,15 +1,14 @@
 """Piper synthesis of one phrase at a time, in pieces, with each word's place in the audio.
 
-The voice's ONNX graph is split in memory before its decoder (needs the `onnx`
-package). The first part turns a sentence's phonemes into latent frames and says
-how many frames each phoneme id became (the duration predictor's rounded widths,
-`w_ceil`); the decoder (HiFi-GAN, convolutional) then makes the audio a few frames
-at a time, so a sentence's first audio is out after the first part and a short
-decode rather than after the whole sentence. Each piece is decoded with
-`DECODER_CONTEXT` latent frames either side of it, so the pieces join into the same
-samples as one decode. The audio keeps the voice's own level: Piper's own
-normalization scales each sentence by its peak, which is known only once the
-whole sentence is decoded.
+The voice's ONNX graph is split in memory (needs the `onnx` package) into its encoder
+(phoneme ids → a prior per latent frame, and how many frames each phoneme id became:
+the duration predictor's rounded widths, `w_ceil`), its flow (prior → latent frames)
+and its decoder (HiFi-GAN: latent frames → audio). Flow and decoder are convolutional,
+so a stretch of frames can be made alone given the frames either side within their
+reach: a sentence's first audio is out after the encoder, the flow over a short head
+and a short decode, rather than after the whole sentence, and the pieces join into the
+same samples as one run of the whole graph. The audio keeps the voice's own level:
+Piper's own synthesis scales each sentence by its peak, known only once it is decoded.
 
 Word times come from the widths: words are the runs of phonemes between espeak's
 word separators.
@@ -37,6 +36,7 @@ WORD_SEPARATOR = " "
 FIRST_PIECE_FRAMES = 16  # a sentence's first piece: 0.19 s of audio (a frame is 256 samples at 22.05 kHz)
 PIECE_GROWTH = 8  # a later piece is at most this many times the audio before it (decoding runs at RTF < 1/8)
 DECODER_CONTEXT = 12  # the decoder's reach in latent frames: with this many either side, pieces join exactly
+FLOW_CONTEXT = 32  # the flow's reach: 4 coupling layers, each 4 convolutions of width 5
 DECODER_INPUT_NODE = "/dec/conv_pre/Conv"  # the decoder's first node in Piper's exported VITS graph
 
 
@@ -182,12 +182,40 @@ def _word_spans(words: list[str], sizes: list[int], spans: list[tuple[int, int]]
 
 
 @dataclass(frozen=True)
-class _VoiceModel:
-    """The voice's ONNX graph as it runs here: split before its decoder where it can be."""
+class _SplitPoints:
+    """Where Piper's exported VITS graph is cut: the flow's input, the frame mask, the decoder's input."""
 
-    encoder: Any  # onnxruntime session: phoneme ids → latent frames (unsplit: the audio) [, widths]
-    decoder: Any | None  # latent frames → audio; None: the encoder is the whole model
-    latent: str  # the decoder's input
+    prior: str  # z_p, the prior sampled for each frame
+    mask: str
+    latent: str  # the flow's output times the mask
+
+    @classmethod
+    def find(cls, graph: Any) -> _SplitPoints | None:
+        made_by = {out: node for node in graph.node for out in node.output}
+        decoder = next((node for node in graph.node if node.name == DECODER_INPUT_NODE), None)
+        masked = made_by.get(decoder.input[0]) if decoder is not None else None
+        flow_inputs = {name for node in graph.node if node.name.startswith("/flow/") for name in node.input}
+        sums = {node.output[0] for node in graph.node if node.op_type == "Add" and not node.name.startswith("/flow/")}
+        prior = flow_inputs & sums  # z_p = m_p + noise: the one sum from outside the flow that goes into it
+        if decoder is None or masked is None or masked.op_type != "Mul" or len(prior) != 1:
+            return None
+        return cls(prior.pop(), masked.input[1], decoder.input[0])
+
+
+@dataclass(frozen=True)
+class _VoiceModel:
+    """The voice's ONNX graph as it runs here: in three parts where it can be split, else whole.
+
+    The encoder turns phoneme ids into the prior of each frame (and the widths); the flow
+    (4 coupling layers) turns the prior into latent frames; the decoder makes their audio.
+    Flow and decoder are convolutional, so each can work on a stretch of frames given
+    enough context either side (`FLOW_CONTEXT`, `DECODER_CONTEXT`).
+    """
+
+    encoder: Any  # onnxruntime session: ids → prior, mask (unsplit: the audio) [, widths]
+    flow: Any | None  # prior, mask → latent frames; None: the encoder is the whole model
+    decoder: Any | None  # latent frames → audio
+    points: _SplitPoints | None
     aligned: bool  # the encoder also gives each phoneme id's width in frames
 
     @classmethod
@@ -199,18 +227,22 @@ class _VoiceModel:
             log.warning("the onnx package is missing (pip install 'piper-tts[alignment]'): "
                         "sentences are decoded whole and word times go in proportion")
             whole = _session(model_path, options)
-            return cls(whole, None, "", len(whole.get_outputs()) > 1)
+            return cls(whole, None, None, None, len(whole.get_outputs()) > 1)
         proto = onnx.load(model_path)
         inputs = [i.name for i in proto.graph.input]
+        speaker = [name for name in inputs if name == "sid"]
         audio = proto.graph.output[0].name
         widths = [out for node in proto.graph.node if node.op_type == "Ceil" for out in node.output][:1]
-        latent = next((node.input[0] for node in proto.graph.node if node.name == DECODER_INPUT_NODE), "")
+        points = _SplitPoints.find(proto.graph)
         extractor = Extractor(proto)
-        if not latent:  # a graph exported otherwise: it runs whole
-            return cls(_session(extractor.extract_model(inputs, [audio, *widths]), options), None, "", bool(widths))
-        encoder = extractor.extract_model(inputs, [latent, *widths])
-        decoder = extractor.extract_model([latent, *(name for name in inputs if name == "sid")], [audio])
-        return cls(_session(encoder, options), _session(decoder, options), latent, bool(widths))
+        if points is None:  # a graph exported otherwise: it runs whole
+            whole = extractor.extract_model(inputs, [audio, *widths])
+            return cls(_session(whole, options), None, None, None, bool(widths))
+        encoder = extractor.extract_model(inputs, [points.prior, points.mask, *widths])
+        flow = extractor.extract_model([points.prior, points.mask, *speaker], [points.latent])
+        decoder = extractor.extract_model([points.latent, *speaker], [audio])
+        return cls(_session(encoder, options), _session(flow, options), _session(decoder, options), points,
+                   bool(widths))
 
     def run(self, ids: list[int], inputs: dict[str, np.ndarray],
             out_frames: int = 0) -> tuple[np.ndarray | None, Iterator[np.ndarray]]:
@@ -220,23 +252,36 @@ class _VoiceModel:
         """
         feed = {"input": np.array([ids], dtype=np.int64), "input_lengths": np.array([len(ids)], dtype=np.int64)}
         outputs = self.encoder.run(None, feed | inputs)
-        widths = outputs[1].reshape(-1).astype(np.int64) if self.aligned else None
-        if self.decoder is None:
+        widths = outputs[-1].reshape(-1).astype(np.int64) if self.aligned else None
+        if self.points is None:
             return widths, iter([_audio(outputs[0])])
-        return widths, self._decode(outputs[0], {k: v for k, v in inputs.items() if k == "sid"}, out_frames)
+        return widths, self._decode(outputs[0], outputs[1], {k: v for k, v in inputs.items() if k == "sid"}, out_frames)
 
-    def _decode(self, latent: np.ndarray, inputs: dict[str, np.ndarray], out_frames: int) -> Iterator[np.ndarray]:
-        """Pieces of `PIECE_GROWTH` times the frames already out (at least `FIRST_PIECE_FRAMES`), with context."""
-        assert self.decoder is not None
-        frames, start = latent.shape[-1], 0
+    def _decode(self, prior: np.ndarray, mask: np.ndarray, inputs: dict[str, np.ndarray],
+                out_frames: int) -> Iterator[np.ndarray]:
+        """Pieces of `PIECE_GROWTH` times the frames already out (at least `FIRST_PIECE_FRAMES`), with context.
+
+        A short first piece takes the flow over its own reach only; the rest takes it once, over all.
+        """
+        assert self.flow is not None and self.decoder is not None and self.points is not None
+        frames, start, latent = prior.shape[-1], 0, None
         while start < frames:
             size = max(FIRST_PIECE_FRAMES, PIECE_GROWTH * (out_frames + start))
             end = frames if frames - (start + size) < FIRST_PIECE_FRAMES else start + size
             low, high = max(0, start - DECODER_CONTEXT), min(frames, end + DECODER_CONTEXT)
-            audio = _audio(self.decoder.run(None, {self.latent: latent[..., low:high]} | inputs)[0])
+            if start == 0 and end < frames:
+                head = min(frames, high + FLOW_CONTEXT)
+                frames_in = self._flow(prior[..., :head], mask[..., :head], inputs)
+            else:
+                latent = frames_in = latent if latent is not None else self._flow(prior, mask, inputs)
+            audio = _audio(self.decoder.run(None, {self.points.latent: frames_in[..., low:high]} | inputs)[0])
             per_frame = audio.size // (high - low)
             yield audio[(start - low) * per_frame : (end - low) * per_frame]
             start = end
+
+    def _flow(self, prior: np.ndarray, mask: np.ndarray, inputs: dict[str, np.ndarray]) -> np.ndarray:
+        assert self.flow is not None and self.points is not None
+        return self.flow.run(None, {self.points.prior: prior, self.points.mask: mask} | inputs)[0]
 
 
 def _audio(output: np.ndarray) -> np.ndarray:
