@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
-import soxr
 
+from pipeline.audio import StreamResampler
 from pipeline.captions import CaptionTrack, Cue
 from pipeline.tts.backend import Synthesis, Synthesizer
 from pipeline.tts.speech_text import SpeechText, speech_text
@@ -58,7 +58,7 @@ class ReplySpeaker:
         index, start_s = self._next_index, self._next_start_s
         self._next_index += 1
         timer = _WordTimer(said, start_s)
-        resampler = _Resampler(self.synthesizer.sample_rate_hz, self.sample_rate_hz)
+        resampler = StreamResampler(self.synthesizer.sample_rate_hz, self.sample_rate_hz)  # no seams mid-word
         for piece in self.synthesizer.stream(said.spoken, after_s=start_s):
             piece_start_s = self._next_start_s
             audio = self._advance(resampler.feed(piece.audio))
@@ -76,24 +76,6 @@ class ReplySpeaker:
     def _advance(self, audio: np.ndarray) -> np.ndarray:
         self._next_start_s += audio.size / self.sample_rate_hz
         return audio
-
-
-class _Resampler:
-    """One phrase's pieces resampled as one signal (libsoxr's stream), so no seam is heard between them.
-
-    The stream holds back its last few milliseconds until the next piece or `finish()`.
-    """
-
-    def __init__(self, from_hz: int, to_hz: int) -> None:
-        self.stream = soxr.ResampleStream(from_hz, to_hz, 1, dtype="float32") if from_hz != to_hz else None
-
-    def feed(self, audio: np.ndarray) -> np.ndarray:
-        audio = audio.astype(np.float32, copy=False)
-        return self.stream.resample_chunk(audio) if self.stream else audio
-
-    def finish(self) -> np.ndarray:
-        nothing = np.zeros(0, np.float32)
-        return self.stream.resample_chunk(nothing, last=True) if self.stream else nothing
 
 
 class _WordTimer:
