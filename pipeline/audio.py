@@ -73,6 +73,24 @@ def resample(samples: np.ndarray, from_hz: int, to_hz: int) -> np.ndarray:
     return soxr.resample(samples, from_hz, to_hz).astype(np.float32, copy=False)
 
 
+class StreamResampler:
+    """Mono float32 audio resampled piece by piece as one signal (libsoxr's stream): no seam where pieces meet.
+
+    The stream holds back its last few milliseconds until the next piece or `finish()`.
+    """
+
+    def __init__(self, from_hz: int, to_hz: int) -> None:
+        self.stream = soxr.ResampleStream(from_hz, to_hz, 1, dtype="float32") if from_hz != to_hz else None
+
+    def feed(self, samples: np.ndarray) -> np.ndarray:
+        samples = samples.astype(np.float32, copy=False)
+        return self.stream.resample_chunk(samples) if self.stream else samples
+
+    def finish(self) -> np.ndarray:
+        nothing = np.zeros(0, np.float32)
+        return self.stream.resample_chunk(nothing, last=True) if self.stream else nothing
+
+
 def float_to_pcm16(samples: np.ndarray) -> bytes:
     clipped = np.clip(samples, -1.0, 32767 / 32768)
     return (clipped * 32768.0).astype("<i2").tobytes()

@@ -1,8 +1,8 @@
 """The tts gRPC service: tails a turn's token stream (or takes text), returns audio and cues.
 
-Synthesis runs in the model's worker thread one piece (a sentence of a phrase) at a
-time, so a cancelled call (a barge-in) stops after the piece in hand and nothing
-queued behind it is made or sent.
+Synthesis runs in the model's worker thread one piece (a sentence of a phrase, or a
+part of one) at a time, so a cancelled call (a barge-in) stops after the piece in hand
+and nothing queued behind it is made or sent.
 """
 
 from __future__ import annotations

@@ -295,7 +295,7 @@ async def test_a_cancelled_turn_stops_within_a_phrase_and_the_service_goes_on(se
     phrase_s = synthesizer_time_s(synthesizer, "This is a rather long reply that goes on.")
     started: list[float] = []  # when each phrase's synthesis began (the real voice still speaks it)
     stream = synthesizer.stream
-    monkeypatch.setattr(synthesizer, "stream", lambda text: (started.append(time.monotonic()), stream(text))[1])
+    monkeypatch.setattr(synthesizer, "stream", lambda *a, **kw: (started.append(time.monotonic()), stream(*a, **kw))[1])
     session_id, turn_id = await new_turn(redis)
     long_reply = "This is a rather long reply that goes on. " * 40
     await write_tokens(redis, turn_id, [w + " " for w in long_reply.split()], gap_s=0)

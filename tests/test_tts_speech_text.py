@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from itertools import pairwise
 
+import numpy as np
 import pytest
 
+from pipeline.audio import resample
 from pipeline.captions import CaptionTrack, Cue
 from pipeline.tts.piper_backend import phoneme_word_spans
 from pipeline.tts.speaker import ReplySpeaker
@@ -45,10 +47,34 @@ def test_words_are_the_runs_of_phonemes_between_separators_pauses_excluded():
 def test_piper_times_every_word_from_its_phoneme_alignment(synthesizer):
     said = speech_text("Well, I paid $40 for it.")
     pieces = list(synthesizer.stream(said.spoken))
-    timed = [w for piece in pieces for w in (piece.words or ())]
-    assert [w.text for w in timed] == said.spoken_words
-    duration_s = sum(p.audio.size for p in pieces) / synthesizer.sample_rate_hz
-    assert all(0 <= a.start_s < a.end_s <= b.start_s <= duration_s for a, b in pairwise(timed))
+    starts_s = np.cumsum([0, *(p.audio.size for p in pieces)]) / synthesizer.sample_rate_hz
+    timed = [(w.text, start_s + w.start_s, start_s + w.end_s)
+             for piece, start_s in zip(pieces, starts_s, strict=False) for w in piece.words or ()]
+    assert [text for text, _, _ in timed] == said.spoken_words
+    assert all(0 <= a[1] < a[2] <= b[1] < b[2] <= starts_s[-1] for a, b in pairwise(timed))
+    # a word comes with the piece its audio ends in
+    assert all(0 < w.end_s <= p.audio.size / synthesizer.sample_rate_hz for p in pieces for w in p.words or ())
+
+
+def test_piper_decodes_a_sentence_in_pieces_that_join_into_its_whole_audio(synthesizer):
+    """The first piece is short (it is what the listener waits for); the pieces add up to Piper's own decode."""
+    from piper import PiperVoice
+    from piper.config import SynthesisConfig
+
+    from pipeline.models import resolve_piper_voice
+
+    text = "The first piece of this rather long sentence is out well before the rest of it is decoded."
+    pieces = list(synthesizer.stream(text))
+    assert len(pieces) >= 3
+    assert pieces[0].audio.size / synthesizer.sample_rate_hz <= 0.2
+    assert all(a.audio.size < b.audio.size for a, b in pairwise(pieces[:-1]))
+    whole = SynthesisConfig(noise_scale=0.0, noise_w_scale=0.0, normalize_audio=False)  # as the fixture's voice
+    files = resolve_piper_voice("bundled")
+    stock_voice = PiperVoice.load(files.model_path, files.config_path)  # the graph run whole
+    [stock] = [c.audio_float_array for c in stock_voice.synthesize(text, whole)]
+    assert np.abs(np.concatenate([p.audio for p in pieces]) - stock).max() < 1e-4
+    later = list(synthesizer.stream(text, after_s=2.0))  # with 2 s of the reply out already: no hurry
+    assert len(later) == 1 and np.abs(later[0].audio - stock).max() < 1e-4
 
 
 def check_track(track: CaptionTrack, end_s: float) -> None:
@@ -90,6 +116,27 @@ def test_words_the_voice_cannot_align_are_placed_in_proportion(synthesizer):
     assert words[-1].end_s == pytest.approx(speaker.end_s, abs=1e-3)
     lengths = {w.text: w.end_s - w.start_s for w in words}
     assert lengths["chip"] > lengths["a"]
+
+
+def test_a_voice_graph_without_piper_s_decoder_node_runs_whole_and_still_times_words(synthesizer, monkeypatch):
+    from pipeline.tts import piper_backend
+
+    monkeypatch.setattr(piper_backend, "DECODER_INPUT_NODE", "/no/such/node")  # as a graph exported otherwise
+    whole = piper_backend.PiperSynthesizer(piper_backend.TtsOptions(noise_scale=0.0, noise_w_scale=0.0))
+    assert whole.model.decoder is None and whole.aligned
+    text = "Well, I paid forty dollars for that."
+    [piece] = list(whole.stream(text))
+    assert [w.text for w in piece.words or ()] == text.split()
+    assert np.abs(piece.audio - synthesizer.synthesize(text)).max() < 1e-4
+
+
+def test_a_phrase_resampled_in_pieces_sounds_as_if_resampled_whole(synthesizer):
+    """Pieces that join mid-word are resampled as one signal: no seam where they meet."""
+    text = "The pieces of this sentence meet in the middle of its words."
+    pieces = list(ReplySpeaker(synthesizer, 16_000).speak(text))
+    assert len(pieces) >= 3
+    whole = resample(synthesizer.synthesize(text), synthesizer.sample_rate_hz, 16_000)
+    assert np.abs(np.concatenate([p.audio for p in pieces]) - whole).max() < 1e-5
 
 
 def test_phrases_follow_each_other_in_the_reply_timeline(synthesizer):

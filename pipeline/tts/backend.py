@@ -1,9 +1,9 @@
 """What every speech backend offers the tts stage, and choosing one from the settings.
 
-A backend turns one phrase of text into audio, in one or more pieces (a streaming model
-such as XTTS yields several, as it goes). Word timings come with a piece when the
-backend can align its own output (Piper's phoneme widths); otherwise the speaker places
-words in proportion within the phrase.
+A backend turns one phrase of text into audio, in one or more pieces (Piper decodes each
+sentence a few frames at a time; a streaming model such as XTTS yields several as it
+goes). Word timings come with a piece when the backend can align its own output (Piper's
+phoneme widths); otherwise the speaker places words in proportion within the phrase.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ class TtsOptions:
 @dataclass(frozen=True)
 class WordTiming:
     text: str
-    start_s: float  # within the piece's audio
-    end_s: float
+    start_s: float  # from the piece's start; before it (negative) for a word begun in an earlier piece
+    end_s: float  # within the piece: a word comes with the piece it ends in
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,13 @@ class Synthesizer(Protocol):
 
     def warm_up(self) -> None: ...
 
-    def stream(self, text: str) -> Iterator[Synthesis]:
-        """The audio of `text` in pieces, in order, as soon as each exists (blocking)."""
+    def stream(self, text: str, after_s: float = 0.0) -> Iterator[Synthesis]:
+        """The audio of `text` in pieces, in order, as soon as each exists (blocking).
+
+        `after_s`: how much of the reply's audio is out before this text. A backend that
+        chooses its pieces makes them larger the more there is: only audio the listener
+        is about to run out of is worth the cost of many small pieces.
+        """
         ...
 
     def synthesize(self, text: str, sample_rate_hz: int = 0) -> np.ndarray:

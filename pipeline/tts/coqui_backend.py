@@ -174,8 +174,8 @@ class CoquiSynthesizer:
     def warm_up(self) -> None:
         self.synthesize("Hello there.")
 
-    def stream(self, text: str) -> Iterator[Synthesis]:
-        """XTTS: pieces as the model decodes them. Others: one piece per sentence."""
+    def stream(self, text: str, after_s: float = 0.0) -> Iterator[Synthesis]:
+        """XTTS: pieces as the model decodes them. Others: one piece per sentence (`after_s` changes neither)."""
         if not text.strip():
             return
         if self.streams:

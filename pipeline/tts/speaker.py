@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.audio import resample
+from pipeline.audio import StreamResampler
 from pipeline.captions import CaptionTrack, Cue
 from pipeline.tts.backend import Synthesis, Synthesizer
 from pipeline.tts.speech_text import SpeechText, speech_text
@@ -58,18 +58,24 @@ class ReplySpeaker:
         index, start_s = self._next_index, self._next_start_s
         self._next_index += 1
         timer = _WordTimer(said, start_s)
-        for piece in self.synthesizer.stream(said.spoken):
-            audio = resample(piece.audio, piece.sample_rate_hz, self.sample_rate_hz).astype(np.float32)
+        resampler = StreamResampler(self.synthesizer.sample_rate_hz, self.sample_rate_hz)  # no seams mid-word
+        for piece in self.synthesizer.stream(said.spoken, after_s=start_s):
             piece_start_s = self._next_start_s
-            self._next_start_s += audio.size / self.sample_rate_hz
+            audio = self._advance(resampler.feed(piece.audio))
             cues = timer.place(piece, piece_start_s, self._next_start_s)
             self.captions.words.extend(cues)
             yield SpeechPiece(index, audio, self.sample_rate_hz, piece_start_s, cues)
+        tail_start_s = self._next_start_s
+        audio = self._advance(resampler.finish())
         cues = timer.finish(self._next_start_s)
         phrase_cue = Cue(round(start_s, 3), round(self._next_start_s, 3), " ".join(w.text for w in said.words))
         self.captions.words.extend(cues)
         self.captions.phrases.append(phrase_cue)
-        yield SpeechPiece(index, np.zeros(0, np.float32), self.sample_rate_hz, self._next_start_s, cues, phrase_cue)
+        yield SpeechPiece(index, audio, self.sample_rate_hz, tail_start_s, cues, phrase_cue)
+
+    def _advance(self, audio: np.ndarray) -> np.ndarray:
+        self._next_start_s += audio.size / self.sample_rate_hz
+        return audio
 
 
 class _WordTimer:
