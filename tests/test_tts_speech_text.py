@@ -72,9 +72,17 @@ def test_piper_decodes_a_sentence_in_pieces_that_join_into_its_whole_audio(synth
     files = resolve_piper_voice("bundled")
     stock_voice = PiperVoice.load(files.model_path, files.config_path)  # the graph run whole
     [stock] = [c.audio_float_array for c in stock_voice.synthesize(text, whole)]
+    stock = np.clip(stock * synthesizer.gain, -1.0, 1.0)  # one gain for the voice, not one a sentence
     assert np.abs(np.concatenate([p.audio for p in pieces]) - stock).max() < 1e-4
     later = list(synthesizer.stream(text, after_s=2.0))  # with 2 s of the reply out already: no hurry
     assert len(later) == 1 and np.abs(later[0].audio - stock).max() < 1e-4
+
+
+def test_the_voice_speaks_at_about_piper_s_own_level(synthesizer):
+    """Piper scales every sentence to full scale; one gain per voice keeps its sentences near that."""
+    for text in ("Sure, I can help with that.", "Bees make honey from nectar, and they store it in the hive."):
+        peak = float(np.abs(synthesizer.synthesize(text)).max())
+        assert 0.5 < peak <= 1.0, (text, peak)
 
 
 def check_track(track: CaptionTrack, end_s: float) -> None:

@@ -7,8 +7,9 @@ and its decoder (HiFi-GAN: latent frames → audio). Flow and decoder are convol
 so a stretch of frames can be made alone given the frames either side within their
 reach: a sentence's first audio is out after the encoder, the flow over a short head
 and a short decode, rather than after the whole sentence, and the pieces join into the
-same samples as one run of the whole graph. The audio keeps the voice's own level:
-Piper's own synthesis scales each sentence by its peak, known only once it is decoded.
+same samples as one run of the whole graph. Piper's own synthesis scales each sentence
+to full scale by its peak, known only once the sentence is decoded; here one gain per
+voice, measured at load on a reference sentence, puts the voice at that level instead.
 
 Word times come from the widths: words are the runs of phonemes between espeak's
 word separators.
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 WORD_SEPARATOR = " "
 FIRST_PIECE_FRAMES = 16  # a sentence's first piece: 0.19 s of audio (a frame is 256 samples at 22.05 kHz)
 PIECE_GROWTH = 8  # a later piece is at most this many times the audio before it (decoding runs at RTF < 1/8)
+LEVEL_REFERENCE = "Hello there, how can I help you today?"  # its peak sets the voice's gain
+LEVEL_PEAK = 0.9  # the reference sentence's peak after the gain (Piper's own: 1.0 for every sentence)
 DECODER_CONTEXT = 12  # the decoder's reach in latent frames: with this many either side, pieces join exactly
 FLOW_CONTEXT = 32  # the flow's reach: 4 coupling layers, each 4 convolutions of width 5
 DECODER_INPUT_NODE = "/dec/conv_pre/Conv"  # the decoder's first node in Piper's exported VITS graph
@@ -61,6 +64,17 @@ class PiperSynthesizer:
         ], dtype=np.float32)}
         if config.num_speakers > 1:
             self.inputs["sid"] = np.array([config.default_speaker_id or 0], dtype=np.int64)
+        self.gain = self._level_gain()
+
+    def _level_gain(self) -> float:
+        """The gain that brings the reference sentence, spoken without noise, to LEVEL_PEAK."""
+        voiced = self.inputs
+        self.gain, self.inputs = 1.0, voiced | {"scales": voiced["scales"] * np.array([0, 1, 0], np.float32)}
+        try:
+            peak = float(np.abs(self.synthesize(LEVEL_REFERENCE)).max())
+        finally:
+            self.inputs = voiced
+        return LEVEL_PEAK / max(peak, 1e-3)
 
     @property
     def aligned(self) -> bool:
@@ -100,7 +114,7 @@ class PiperSynthesizer:
                     ending = [span for span in spans if span[2] <= end]
                     spans = spans[len(ending) :]
                     timings = tuple(WordTiming(w, (a - start) / rate, (b - start) / rate) for w, a, b in ending)
-                yield Synthesis(audio, rate, timings)
+                yield Synthesis(np.clip(audio * self.gain, -1.0, 1.0), rate, timings)
                 start = end
             out_frames += start // self.phonemizer.config.hop_length
 
