@@ -9,6 +9,12 @@ Preemptive generation (`preemptive_generation`, on by default): a partial whose 
 are all committed and after which silence has begun starts the turn before the final
 arrives. The turn's output is held back until the final confirms it: the same text
 (normalised) keeps the turn, any other text cancels it and starts a new one.
+
+A user who speaks again before any of the reply's audio went out was pausing, not done:
+the turn is cancelled as in a barge-in, and its words begin the next turn's text, so the
+reply answers all that was said (Pipecat's user aggregator and LiveKit's turn handling
+gather a user's turn across pauses alike). A short end-of-speech silence then costs a
+restarted reply, not a lost half of a sentence.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ class Turn:
     turn_id: str
     transcript: asr_pb.TranscriptEvent
     speech_end_unix_ms: int
+    said_before: str = ""  # the user's words of earlier turns that got no reply they heard
     clock: StageClock = field(default_factory=lambda: StageClock("gateway"))
     reply_text: str = ""
     finish_reason: str = ""
@@ -85,6 +92,11 @@ class Turn:
     confirmed: asyncio.Event = field(default_factory=asyncio.Event)  # its output may go out
     task: asyncio.Task | None = None
     reported: bool = False
+
+    @property
+    def user_text(self) -> str:
+        """What the reply answers: the words said before it went unanswered, then this utterance."""
+        return " ".join(t for t in (self.said_before, self.transcript.text.strip()) if t)
 
     @property
     def awaiting_final(self) -> bool:
@@ -108,6 +120,7 @@ class Conversation:
         self.turn: Turn | None = None
         self.preemptions = PreemptionCounts()
         self.cancelled_turns: set[str] = set()
+        self.unanswered = ""  # the user's words since the last reply audio they heard
         self._input_error: Exception | None = None
 
     async def run(self, client_messages: AsyncIterator) -> None:
@@ -154,6 +167,10 @@ class Conversation:
     async def _on_transcript(self, event: asr_pb.TranscriptEvent) -> None:
         kind = event.kind
         if kind == asr_pb.TranscriptEvent.SPEECH_STARTED:
+            turn = self.turn
+            running = turn is not None and turn.task is not None and not turn.task.done()
+            if running and turn.confirmed.is_set() and not turn.first_audio_sent_unix_ms:
+                self.unanswered = turn.user_text  # a pause: these words go on into the next turn
             await self._cancel_turn()  # barge-in
         elif kind == asr_pb.TranscriptEvent.PARTIAL:
             await self.events.put(pb.ServerEvent(transcript=_transcript(event, final=False)))
@@ -192,7 +209,7 @@ class Conversation:
     async def _start_turn(self, event: asr_pb.TranscriptEvent, preemptive: bool) -> None:
         await self._cancel_turn()
         turn_id = await self.servicer.redis.turns.create(self.start.session_id)
-        turn = Turn(turn_id, event, self.arrivals.arrival_ms(event.speech_end_s))
+        turn = Turn(turn_id, event, self.arrivals.arrival_ms(event.speech_end_s), said_before=self.unanswered)
         turn.clock.received()
         if not preemptive:
             turn.stage_times.append(_stage(event.times))
@@ -214,7 +231,7 @@ class Conversation:
     async def _run_turn(self, turn: Turn) -> None:
         stubs, session_id = self.servicer.stubs, self.start.session_id
         llm_call = stubs.llm.Reply(llm_pb.ReplyRequest(
-            session_id=session_id, turn_id=turn.turn_id, user_text=turn.transcript.text,
+            session_id=session_id, turn_id=turn.turn_id, user_text=turn.user_text,
             task=llm_pb.ReplyRequest.DIALOGUE, defer_history=True))
         tts_call = stubs.tts.SpeakTurn(tts_pb.SpeakTurnRequest(
             session_id=session_id, turn_id=turn.turn_id, sample_rate_hz=self.start.reply_sample_rate_hz))
@@ -238,7 +255,7 @@ class Conversation:
         await turn.confirmed.wait()  # then turn.transcript is the final
         if turn.reply_text.strip():
             await self.servicer.redis.sessions.append(self.start.session_id,
-                                                      Exchange(turn.transcript.text, turn.reply_text.strip()))
+                                                      Exchange(turn.user_text, turn.reply_text.strip()))
 
     async def _pump_reply(self, turn: Turn, call) -> None:
         async for step in call:
@@ -256,7 +273,8 @@ class Conversation:
             kind = event.WhichOneof("event")
             if kind == "audio":
                 await turn.confirmed.wait()
-                turn.first_audio_sent_unix_ms = turn.first_audio_sent_unix_ms or now_ms()
+                if not turn.first_audio_sent_unix_ms:
+                    turn.first_audio_sent_unix_ms, self.unanswered = now_ms(), ""  # the user hears a reply
                 a = event.audio
                 await self._send(turn, audio=pb.AudioChunk(
                     pcm_s16le=a.pcm_s16le, sample_rate_hz=a.sample_rate_hz, start_s=a.start_s))
@@ -279,7 +297,7 @@ class Conversation:
 
     def _report(self, turn: Turn) -> pb.TurnReport:
         return pb.TurnReport(
-            transcript=turn.transcript.text,
+            transcript=turn.user_text,
             reply_text=turn.reply_text.strip(),
             speech_end_s=turn.transcript.speech_end_s,
             speech_end_unix_ms=turn.speech_end_unix_ms,

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.gateway_service import Conversation, Stubs, asr_pb, llm_pb, pb
+from services.gateway_service import Conversation, Stubs, asr_pb, llm_pb, pb, tts_pb
 from services.redis_store import SessionStore, TurnStore, connect
 from services.settings import Settings
 
@@ -45,8 +45,11 @@ class FakeLlm:
 
 
 class FakeTts:
+    speaks = False  # True: each turn's reply sends one audio chunk
+
     def SpeakTurn(self, request):  # noqa: N802
-        return FakeCall([])
+        audio = tts_pb.SpeechEvent(audio=tts_pb.AudioChunk(pcm_s16le=b"\0\0" * 160, sample_rate_hz=16_000))
+        return FakeCall([audio] if self.speaks else [])
 
 
 @pytest.fixture
@@ -55,9 +58,11 @@ async def conversation(redis_url):
     session_id = await SessionStore(redis).create("")
     context = SimpleNamespace(turns=TurnStore(redis), sessions=SessionStore(redis))
 
-    def make(preemptive: bool = True) -> Conversation:
+    def make(preemptive: bool = True, speaks: bool = False) -> Conversation:
+        tts = FakeTts()
+        tts.speaks = speaks
         servicer = SimpleNamespace(settings=Settings(preemptive_generation=preemptive), redis=context,
-                                   stubs=Stubs(asr=None, llm=FakeLlm(), tts=FakeTts()))
+                                   stubs=Stubs(asr=None, llm=FakeLlm(), tts=tts))
         start = pb.StreamStart(session_id=session_id, format=pb.AudioFormat(
             encoding=pb.AudioFormat.PCM_S16LE, sample_rate_hz=16_000, channels=1, sample_width_bytes=2))
         return Conversation(servicer, start)
@@ -72,9 +77,13 @@ def partial(text: str, ending: bool = True) -> asr_pb.TranscriptEvent:
                                   stability=1.0, speech_ending=ending, utterance_index=0, speech_end_s=1.5)
 
 
-def final(text: str) -> asr_pb.TranscriptEvent:
+def final(text: str, utterance: int = 0) -> asr_pb.TranscriptEvent:
     return asr_pb.TranscriptEvent(kind=asr_pb.TranscriptEvent.FINAL, text=text, committed_text=text,
-                                  stability=1.0, utterance_index=0, speech_end_s=1.5)
+                                  stability=1.0, utterance_index=utterance, speech_end_s=1.5 + utterance)
+
+
+def speech_started(utterance: int) -> asr_pb.TranscriptEvent:
+    return asr_pb.TranscriptEvent(kind=asr_pb.TranscriptEvent.SPEECH_STARTED, utterance_index=utterance)
 
 
 async def drain(conversation: Conversation) -> list:
@@ -143,3 +152,34 @@ async def test_a_dropped_early_turn_whose_reply_had_ended_leaves_no_history(conv
     assert early.preemption == "dropped"
     history = await conversation.history()
     assert [(h.user, h.assistant) for h in history] == [(TEXT, f"Reply to: {TEXT}")]
+
+
+async def test_words_said_on_before_any_reply_audio_begin_the_next_turn(conversation):
+    """A pause long enough to end an utterance, then more words: one reply to all of it."""
+    talk = conversation(preemptive=False)
+    await talk._on_transcript(final("Good morning to you,"))
+    first = talk.turn
+    await talk._on_transcript(speech_started(1))  # before any of the reply's audio went out
+    await talk._on_transcript(final("my friend.", utterance=1))
+    events = await drain(talk)
+    reports = [e.report for e in events if e.WhichOneof("event") == "report"]
+    assert [r.finish_reason for r in reports] == ["cancelled", "eos"]
+    assert reports[0].transcript == "Good morning to you,"
+    assert reports[1].transcript == "Good morning to you, my friend."
+    replies = [e.reply_text.text_delta for e in events
+               if e.turn_id != first.turn_id and e.WhichOneof("event") == "reply_text"]
+    assert replies == ["Reply to: Good morning to you, my friend."]
+    history = await conversation.history()
+    assert [h.user for h in history] == ["Good morning to you, my friend."]
+
+
+async def test_after_the_reply_was_heard_the_next_turn_is_the_new_words_alone(conversation):
+    talk = conversation(preemptive=False, speaks=True)
+    await talk._on_transcript(final(TEXT))
+    await drain(talk)  # the reply's audio went out
+    await talk._on_transcript(speech_started(1))
+    await talk._on_transcript(final("And of Spain?", utterance=1))
+    events = await drain(talk)
+    assert [e.report.transcript for e in events if e.WhichOneof("event") == "report"] == ["And of Spain?"]
+    history = await conversation.history()
+    assert [h.user for h in history] == [TEXT, "And of Spain?"]
