@@ -39,7 +39,10 @@ class AsrOptions:
     model: str = "bundled"
     device: str = "cpu"
     compute_type: str = "int8"
-    cpu_threads: int = 0  # 0: CTranslate2's default
+    # CTranslate2's threads (0: its default, one per core). One: a pass (~40 ms) is far inside the
+    # 200 ms cadence and the final's pass runs during the silence, and on 2 cores shared with the
+    # llm and tts a second thread made passes slower by the wall clock (docs/benchmarks.md).
+    cpu_threads: int = 1
     language: str = "en"  # a stream's StreamConfig.language overrides it; "": the model detects it
     beam_size: int = 1
     # Decode text tokens only (<|notimestamps|>): word timings still come from the cross-attention
