@@ -394,7 +394,8 @@ def mel_features_class() -> type:
     spin waiting for more work for ~0.1 s: through the whole pass that follows, a second
     core busy for nothing (a pass cost ~90 ms of CPU instead of ~45 ms, and on 2 cores the
     spinning thread competes with the llm and tts). Each filter is a triangle over at most
-    14 of the 200 frequency bins, so a sum over those bins is as quick and calls no BLAS.
+    14 of the 201 frequency bins, so sums over those bins take well under a millisecond and
+    call no BLAS.
     """
     from faster_whisper.feature_extractor import FeatureExtractor
 
