@@ -9,7 +9,7 @@ thread is busy, the chunks that arrive wait and are then fed in one go (as the a
 does). Each feed advances the clock by the wall time it really took on this machine, or with
 `--clock cpu` by the CPU time this process spent on it: on a machine shared with other work
 that is close to what the feed would take alone, as long as the model uses one thread
-(`asr.cpu_threads=1`; CPU time adds up the time of parallel threads).
+(`asr.cpu_threads=1`, the default; CPU time adds up the time of parallel threads).
 
 `--variant NAME:key=value,...` replays every clip again with those `asr.*` settings changed;
 the variants of one clip run back to back, so a busy machine slows them alike and their ratios
