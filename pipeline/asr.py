@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from functools import cache
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -304,7 +303,7 @@ class Transcriber:
             if options.offline:
                 raise not_found_offline("asr", options.model, e) from e
             raise
-        self.model.feature_extractor = mel_features_class()(**self.model.feat_kwargs)
+        _one_blas_thread()
         self.check_language(options.language)
         self._decoding = _decoding_options(self.model, options)
 
@@ -384,42 +383,19 @@ def _decoding_options(model, options: AsrOptions):
     )
 
 
-@cache  # one class, so that isinstance works
-def mel_features_class() -> type:
-    """faster-whisper's log-mel features, with the mel projection summed band by band.
+def _one_blas_thread() -> None:
+    """numpy's OpenBLAS runs on one thread in this process from now on.
 
-    faster-whisper projects the power spectrum onto the 80 mel filters with one matrix
-    product (`mel_filters @ magnitudes`), which numpy hands to OpenBLAS. At a few seconds of
-    audio that product is large enough for OpenBLAS to wake its other threads, and they then
-    spin waiting for more work for ~0.1 s: through the whole pass that follows, a second
-    core busy for nothing (a pass cost ~90 ms of CPU instead of ~45 ms, and on 2 cores the
-    spinning thread competes with the llm and tts). Each filter is a triangle over at most
-    14 of the 201 frequency bins, so sums over those bins take well under a millisecond and
-    call no BLAS.
+    faster-whisper projects each pass's power spectrum onto the mel filters with one numpy
+    matrix product. At a few seconds of audio it is large enough for OpenBLAS to wake its
+    other threads, which then spin waiting for more work for ~0.1 s: through the whole
+    pass that follows, a second core busy for nothing (a pass cost ~90 ms of CPU instead
+    of ~40 ms, and on 2 cores the spinning thread competes with the llm and tts). The
+    products asr computes are small; one thread does them in well under a millisecond.
     """
-    from faster_whisper.feature_extractor import FeatureExtractor
+    from threadpoolctl import threadpool_limits
 
-    class MelFeatures(FeatureExtractor):
-        def __init__(self, **kwargs) -> None:
-            super().__init__(**kwargs)
-            bands = [np.flatnonzero(f) for f in self.mel_filters]
-            self._bins = np.concatenate(bands)  # the frequency bins of each filter in turn
-            self._weights = np.concatenate([f[b] for f, b in zip(self.mel_filters, bands, strict=True)])[:, None]
-            self._band_starts = np.cumsum([0] + [b.size for b in bands[:-1]])
-
-        def __call__(self, waveform: np.ndarray, padding: int = 160, chunk_length: int | None = None) -> np.ndarray:
-            if chunk_length is not None:
-                raise ValueError("MelFeatures computes features of the whole waveform only")
-            waveform = np.pad(waveform.astype(np.float32, copy=False), (0, padding))
-            window = np.hanning(self.n_fft + 1)[:-1].astype(np.float32)
-            stft = self.stft(waveform, self.n_fft, self.hop_length, window=window, return_complex=True)
-            magnitudes = np.abs(stft[..., :-1].astype(np.complex64)) ** 2
-            mel_spec = np.add.reduceat(magnitudes[self._bins] * self._weights, self._band_starts, axis=0)
-            log_spec = np.log10(np.clip(mel_spec, a_min=1e-10, a_max=None))
-            log_spec = np.maximum(log_spec, log_spec.max() - 8.0)
-            return (log_spec + 4.0) / 4.0
-
-    return MelFeatures
+    threadpool_limits(limits=1, user_api="blas")
 
 
 def _whisper_class() -> type:

@@ -17,7 +17,6 @@ from pipeline.asr import (
     SileroProbabilities,
     Transcriber,
     UtteranceSegmenter,
-    mel_features_class,
     speech_spans,
 )
 from pipeline.asr_stream import spoken_words
@@ -78,19 +77,15 @@ def test_a_pass_decodes_whispers_first_window_only(speech, transcriber):
     assert _norm(ours.text) == "can you recommend a good book"
 
 
-def test_features_equal_faster_whispers_and_keep_other_threads_idle(speech, transcriber):
+def test_features_keep_the_other_threads_idle(speech, transcriber):
     """faster-whisper's mel projection is a BLAS matrix product that left OpenBLAS's threads
-    spinning through the rest of each pass; the band sums give the same features on one thread."""
-    from faster_whisper.feature_extractor import FeatureExtractor
-
+    spinning through the rest of each pass; with a transcriber loaded, BLAS runs on one thread."""
     audio = speech("Can you recommend a good book for a long train ride?")
-    ours = mel_features_class()()
-    np.testing.assert_allclose(ours(audio), FeatureExtractor()(audio), atol=1e-6)
-    assert isinstance(transcriber.model.feature_extractor, mel_features_class())
-    time.sleep(0.5)  # threads that earlier work woke (the product above, the voice) go back to sleep
+    features = transcriber.model.feature_extractor
+    time.sleep(0.5)  # threads that earlier work woke (the voice, say) go back to sleep
     process_s, thread_s = time.process_time(), time.thread_time()
     for _ in range(20):
-        ours(audio)
+        features(audio)
     thread_s = time.thread_time() - thread_s
     assert time.process_time() - process_s - thread_s < 0.25 * thread_s  # CPU time of the process's other threads
 
