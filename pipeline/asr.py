@@ -49,10 +49,12 @@ class AsrOptions:
     without_timestamps: bool = True
     vad_threshold: float = 0.5
     speech_start_ms: int = 200  # speech heard for this long starts an utterance (shorter blips are ignored)
-    # Silence after speech for this long closes the utterance (the user's turn). 250 ms is
-    # brisk: Pipecat's VAD waits 0.8 s, LiveKit 0.5 s; a pause between two sentences may
-    # split them into two turns (docs/benchmarks.md counts how often).
-    end_of_speech_silence_ms: int = 250
+    # Silence after speech for this long closes the utterance. 150 ms is brisk (Pipecat's VAD
+    # waits 0.8 s, LiveKit 0.5 s) and is what puts the final within 300 ms of the end of
+    # speech; a pause inside a sentence may close an utterance early, and the gateway then
+    # carries its words into the next turn when the user speaks on before hearing the reply
+    # (docs/benchmarks.md counts the splits).
+    end_of_speech_silence_ms: int = 150
     # The VAD looks at new audio this often (each 32 ms window is computed once, so checks are
     # cheap); a client sending 20 ms chunks gets its end of speech seen within one window.
     vad_check_every_ms: int = 32

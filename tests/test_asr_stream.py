@@ -171,7 +171,8 @@ def test_clipped_speech_is_still_transcribed(speech, transcriber):
 
 def test_a_stream_that_ends_mid_utterance_still_gets_its_final(speech, transcriber):
     audio = speech("Good morning to you, my friend")[: -int(0.4 * SAMPLE_RATE_HZ)]  # no trailing silence
-    recognizer = StreamingRecognizer(AsrOptions(), transcriber)
+    # 250 ms: the comma's pause (~0.2 s) stays inside the utterance, which the stream then cuts off
+    recognizer = StreamingRecognizer(AsrOptions(end_of_speech_silence_ms=250), transcriber)
     step = SAMPLE_RATE_HZ // 10
     during = [e for i in range(0, audio.size, step) for e in recognizer.feed(audio[i : i + step])]
     assert finals(during) == []
