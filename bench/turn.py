@@ -33,17 +33,23 @@ def run(settings, turns: int, json_path: str | None) -> int:
         wavs.append((text, str(work / f"q{i}.wav")))
         say_to_file(settings, text, wavs[-1][1], sample_rate_hz=16_000, pad_s=0.5)
     up = _start_stack(work / "up.log")
-    rows = []
+    rows, restarted = [], 0
     try:
         _wait_ready(up, work / "up.log")
         for text, wav in wavs:
             results = asyncio.run(converse(settings.address("gateway"), wav, ClientOptions()))
-            rows += [_row(text, r.report) for r in results if r.report and r.report["preemption"] != "dropped"]
+            reports = [r.report for r in results if r.report]
+            # A turn the final contradicted, or one cancelled because the user spoke on before
+            # hearing it (its words begin the next turn), answered nothing: the turn after it did.
+            answered = [r for r in reports if r["preemption"] != "dropped" and r["finish_reason"] != "cancelled"]
+            restarted += sum(r["finish_reason"] == "cancelled" and r["preemption"] != "dropped" for r in reports)
+            rows += [_row(text, r) for r in answered]
             print(f"  {len(rows)}/{len(wavs)} turns", flush=True)
     finally:
         up.send_signal(2)
         up.wait(30)
     print_table(rows)
+    print(f"turns restarted because the user spoke on before hearing the reply: {restarted}")
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=2) + "\n")
         print(f"wrote {json_path}")
