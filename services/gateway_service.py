@@ -99,8 +99,12 @@ class Turn:
         return " ".join(t for t in (self.said_before, self.transcript.text.strip()) if t)
 
     @property
+    def running(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    @property
     def awaiting_final(self) -> bool:
-        return not self.confirmed.is_set() and self.task is not None and not self.task.done()
+        return not self.confirmed.is_set() and self.running
 
 
 @dataclass
@@ -168,8 +172,7 @@ class Conversation:
         kind = event.kind
         if kind == asr_pb.TranscriptEvent.SPEECH_STARTED:
             turn = self.turn
-            running = turn is not None and turn.task is not None and not turn.task.done()
-            if running and turn.confirmed.is_set() and not turn.first_audio_sent_unix_ms:
+            if turn and turn.running and turn.confirmed.is_set() and not turn.first_audio_sent_unix_ms:
                 self.unanswered = turn.user_text  # a pause: these words go on into the next turn
             await self._cancel_turn()  # barge-in
         elif kind == asr_pb.TranscriptEvent.PARTIAL:
@@ -220,7 +223,7 @@ class Conversation:
 
     async def _cancel_turn(self) -> None:
         turn = self.turn
-        if turn and turn.task and not turn.task.done():
+        if turn and turn.task and turn.running:
             self.cancelled_turns.add(turn.turn_id)  # what it queued for the client is dropped too
             turn.task.cancel()
             await asyncio.gather(turn.task, return_exceptions=True)
