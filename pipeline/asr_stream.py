@@ -209,18 +209,26 @@ class StreamingRecognizer:
         hears silence, only the pass that hears `final_reuse_margin_ms` of it (the final, if the
         silence lasts): a pass over silence finds no new words, and one still running when the
         VAD closes the utterance would hold the final back."""
-        o = self.options
+        passed = self._pass_index == utterance.index  # a pass of this utterance has run
         if self.segmenter.silence_after_s > 0:
-            heard_since_end = self._pass_heard_s - utterance.speech_end_s if self._pass_index == utterance.index else -1
-            return _ms(self.segmenter.silence_after_s) >= o.final_reuse_margin_ms > _ms(heard_since_end)
-        since_s = self._pass_heard_s if self._pass_index == utterance.index else utterance.speech_start_s
-        return _ms(self.segmenter.stream_s - since_s) >= o.partial_every_ms
+            margin_heard = passed and self._heard_margin(self._pass_heard_s, utterance)
+            return _ms(self.segmenter.silence_after_s) >= self.options.final_reuse_margin_ms and not margin_heard
+        since_s = self._pass_heard_s if passed else utterance.speech_start_s
+        return _ms(self.segmenter.stream_s - since_s) >= self.options.partial_every_ms
+
+    def _heard_margin(self, heard_s: float, utterance: Utterance) -> bool:
+        """Audio heard up to `heard_s` holds `final_reuse_margin_ms` of silence after the speech."""
+        return _ms(heard_s - utterance.speech_end_s) >= self.options.final_reuse_margin_ms
+
+    def _spoken_words(self, utterance: Utterance, ended: bool) -> tuple[Word, ...]:
+        """One pass over the utterance, less the words whisper added to the silence (`spoken_words`)."""
+        words = self.transcriber.transcribe(utterance, self.language).words
+        return spoken_words(words, utterance, ended, self.options.tail_min_probability)
 
     def _partial(self, utterance: Utterance) -> PartialTranscript:
         heard_s = self.segmenter.stream_s  # the pass's audio may stop short of it (silence)
-        ending = _ms(heard_s - utterance.speech_end_s) >= self.options.final_reuse_margin_ms
-        words = spoken_words(self.transcriber.transcribe(utterance, self.language).words, utterance, ending,
-                             self.options.tail_min_probability)
+        ending = self._heard_margin(heard_s, utterance)
+        words = self._spoken_words(utterance, ending)
         self._pass_index, self._pass_heard_s = utterance.index, heard_s
         self.agreement.update(words, math.inf if ending else self._pass_heard_s - EDGE_GUARD_S)
         return PartialTranscript(
@@ -234,10 +242,8 @@ class StreamingRecognizer:
         )
 
     def _final(self, utterance: Utterance) -> FinalTranscript:
-        reuse = (self._pass_index == utterance.index
-                 and _ms(self._pass_heard_s - utterance.speech_end_s) >= self.options.final_reuse_margin_ms)
-        words = None if reuse else spoken_words(self.transcriber.transcribe(utterance, self.language).words,
-                                                utterance, True, self.options.tail_min_probability)
+        reuse = self._pass_index == utterance.index and self._heard_margin(self._pass_heard_s, utterance)
+        words = None if reuse else self._spoken_words(utterance, ended=True)
         final = FinalTranscript(utterance, tuple(self.agreement.finish(words)), reused_partial=reuse)
         self._pass_index = -1
         return final
