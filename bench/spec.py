@@ -2,8 +2,9 @@
 
 Rows per workload (the dialogue and caption sets of shared/data/prompts.json):
 Hugging Face `generate()` greedy, Hugging Face prompt-lookup assisted generation, specvox
-plain decoding (with the configured KV cache, and with the other kind as a control:
-`llm.static_cache`), and specvox with each drafter. Throughput is new tokens over wall time, summed
+plain decoding (through the lean Llama pass where the target has one, and through
+transformers' own modules as a control: `specvox-none-transformers`), and specvox with
+each drafter. Throughput is new tokens over wall time, summed
 over the set; `identical_to_greedy` compares every output with HF greedy's. Requests carry
 no session key, so the suffix drafter remembers nothing from one prompt to the next; only
 the draft-length controller's statistics (acceptance by match length, verify cost) carry
@@ -32,8 +33,8 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
     prompts = load_prompts()
     loaded = load_model(settings.llm)
     generator = Generator.from_options(loaded, settings.llm)
-    control = Generator(loaded, static_cache=not settings.llm.static_cache)
-    control_method = f"specvox-none-{'dynamic' if settings.llm.static_cache else 'static'}-cache"
+    control = Generator(loaded, static_cache=settings.llm.static_cache, lean=False)
+    control_method = "specvox-none-transformers"
     methods = ["hf-greedy", "hf-prompt-lookup", control_method,
                *[f"specvox-{d}" for d in generator.drafters]]
     print(f"torch threads {torch.get_num_threads()}, {settings.llm.dtype} on {settings.llm.device}", flush=True)

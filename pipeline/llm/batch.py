@@ -93,8 +93,8 @@ class BatchedDecoder:
         prefix = row.context[:-1]
         cache = None
         if prefix:
-            out = self.loaded.model(input_ids=torch.tensor([prefix], device=self.loaded.device), use_cache=True,
-                                    logits_to_keep=1)
+            out = self.generator.forward(input_ids=torch.tensor([prefix], device=self.loaded.device), use_cache=True,
+                                         logits_to_keep=1)
             cache = out.cache
             _require_full_attention(cache)
         self._join(cache, len(prefix))
@@ -143,7 +143,7 @@ class BatchedDecoder:
         live = live.to(device)
         mask = torch.cat([self.kept, live], dim=1)
         started = time.perf_counter()
-        result = self.loaded.model(input_ids=ids.to(device), attention_mask=mask.long(),
+        result = self.generator.forward(input_ids=ids.to(device), attention_mask=mask.long(),
                                    position_ids=positions.to(device), cache=self.cache, use_cache=True,
                                    logits_to_keep=width)
         logits = result.logits

@@ -16,6 +16,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -134,10 +135,13 @@ class Generator:
 
     def __init__(
         self, loaded: LoadedModel, draft_model: LoadedModel | None = None, early_exit_layers: int = 8,
-        static_cache: bool = False,
+        static_cache: bool = False, lean: bool = True,
     ) -> None:
+        """`lean`: run the target through `loaded.lean` where it has one (it cannot fill a static cache)."""
         self.loaded = loaded
         self.static_cache = static_cache
+        use_lean = lean and loaded.lean is not None and not static_cache
+        self.forward: Callable[..., Any] = loaded.lean if use_lean else loaded.model  # type: ignore[assignment]
         self.draft_model = draft_model
         self.early_exit_layers = early_exit_layers
         self._shallow: torch.nn.Module | None = None
@@ -348,7 +352,7 @@ class _Run:
     """One request decoded alone, with a KV cache of its own."""
 
     def __init__(self, generator: Generator, request: GenerationRequest) -> None:
-        self.loaded = generator.loaded
+        self.loaded, self.forward = generator.loaded, generator.forward
         self.decoder = RequestDecoder(generator, request)
         room = len(request.prompt_ids) + request.max_new_tokens + request.max_draft_tokens + 1
         self.cache = new_kv_cache(self.loaded.model, room, generator.static_cache)
@@ -373,6 +377,6 @@ class _Run:
 
     def _forward(self, tokens: list[int], keep_logits: int) -> torch.Tensor:
         ids = torch.tensor([tokens], device=self.loaded.device)
-        out = self.loaded.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=keep_logits)
+        out = self.forward(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=keep_logits)
         self.cache = out.cache
         return out.logits[0]

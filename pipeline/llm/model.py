@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from pipeline.llm.lean_llama import LeanLlama
+from pipeline.llm.lean_llama import supports as lean_supports
 from pipeline.models import ModelRef, not_found_offline, resolve_llm
 
 DTYPES = {
@@ -35,6 +37,9 @@ class LlmOptions:
     max_draft_tokens: int = 8
     adaptive_draft: bool = True
     static_cache: bool = False  # preallocated KV cache per request (rollback by length); slower in eager mode here
+    # Llama-architecture targets run through pipeline/llm/lean_llama.py (same arithmetic, fewer
+    # operations, MKL-packed float32 products on a CPU); false: through transformers' modules.
+    lean_forward: bool = True
     max_batch_size: int = 8  # concurrent replies verified in one target pass (pipeline/llm/batch.py); 1: one at a time
 
 
@@ -45,6 +50,7 @@ class LoadedModel:
     device: torch.device
     context_tokens: int
     eos_token_ids: frozenset[int]
+    lean: LeanLlama | None = None  # the lean forward pass over `model`'s weights, where it applies
 
 
 def load_draft_model(options: LlmOptions, target: LoadedModel) -> LoadedModel | None:
@@ -136,6 +142,7 @@ def load_model(options: LlmOptions) -> LoadedModel:
         device=device,
         context_tokens=int(getattr(model.config, "max_position_embeddings", 2048)),
         eos_token_ids=_eos_ids(model, tokenizer),
+        lean=LeanLlama(model) if options.lean_forward and lean_supports(model) else None,
     )
 
 

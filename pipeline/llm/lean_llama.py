@@ -1,0 +1,223 @@
+"""A lean forward pass for Llama-architecture targets, on the model's own weights.
+
+A decoding step of SmolLM2-135M through transformers' modules took ~48 ms on 2 CPU cores
+(float32), of which the matrix products were ~26 ms: the rest was the machinery around
+them (a mask built per call, rotary angles recomputed per call, output capture hooks,
+per-module dispatch, three products where one would do). This pass does the same
+arithmetic as `LlamaForCausalLM` with fewer, larger operations, in the style of gpt-fast:
+
+- q, k and v are one matrix product, and so are the MLP's gate and up projections. The
+  fused weights are allocated once and the model's own parameters are made views into
+  them, so nothing is copied and the transformers model (early-exit drafting, Hugging
+  Face `generate` in the benchmarks) keeps working on the same memory;
+- rotary cos/sin come from a table computed once per position;
+- the causal mask is built only when a pass has several tokens or padded rows.
+
+It keeps transformers' `DynamicCache`, so rollback (`crop`), the batch's cache surgery and
+everything else that reads the cache work unchanged. RMSNorm upcasts to float32 as
+transformers' does, so float64 outputs match `generate()` token for token (tested).
+Only plain Llama layers qualify (`supports`); anything else runs through transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+ROPE_TABLE_STEP = 1024  # positions added to the rotary table at a time
+PACKED_FOR_ROWS = 9  # MKL packs for a row count; the packed weights serve any (a verify pass is 1-9 rows)
+
+
+@dataclass
+class LeanOutput:
+    logits: torch.Tensor  # [B, logits_to_keep, V]
+    cache: Any
+
+
+def supports(model: Any) -> bool:
+    """A Llama model with default rotary embeddings, no biases, SiLU and full attention."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) != "llama":
+        return False
+    rope = getattr(config, "rope_parameters", None) or {}
+    return (
+        rope.get("rope_type", "default") == "default"
+        and not getattr(config, "attention_bias", False)
+        and not getattr(config, "mlp_bias", False)
+        and getattr(config, "hidden_act", "silu") == "silu"
+        and getattr(config, "pretraining_tp", 1) == 1
+    )
+
+
+class LeanLlama:
+    """Calls like the transformers model for what the engine asks of it (ids, optional mask and
+    positions, a cache, `logits_to_keep`), returning the logits and the grown cache."""
+
+    def __init__(self, model: Any, packed: bool = True) -> None:
+        """`packed`: multiply by MKL-packed copies of the weights where that kernel applies (`PackedLinear`)."""
+        if not supports(model):
+            raise ValueError(f"{type(model).__name__} is not a plain Llama model")
+        self.model = model
+        config = model.config
+        self.config = config
+        self.heads = int(config.num_attention_heads)
+        self.kv_heads = int(config.num_key_value_heads)
+        self.head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // self.heads)
+        self.eps = float(config.rms_norm_eps)
+        self.theta = float(config.rope_parameters["rope_theta"])
+        inner = model.model
+        self.embed = inner.embed_tokens.weight
+        self.final_norm = inner.norm.weight
+        self.lm_head = model.lm_head.weight
+        self.layers = [_fuse(layer) for layer in inner.layers]
+        self.linear = PackedLinear.for_model(self) if packed else _plain_linear
+        self._cos = self._sin = self.embed.new_zeros(0, self.head_dim)
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        cache: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        use_cache: bool = True,
+    ) -> LeanOutput:
+        from transformers import DynamicCache
+
+        if cache is None:
+            cache = DynamicCache(config=self.config)
+        batch, new = input_ids.shape
+        past = cache.get_seq_length()
+        if position_ids is None:
+            position_ids = torch.arange(past, past + new, device=input_ids.device)[None]
+        cos, sin = self._rotary(position_ids)
+        mask = _attention_mask(attention_mask, past, new, input_ids.device)
+        x, linear = F.embedding(input_ids, self.embed), self.linear
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        for index, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.input_norm, self.eps)
+            q, k, v = linear(h, layer.qkv).split((q_size, kv_size, kv_size), dim=-1)
+            q = _rotate(q.view(batch, new, self.heads, self.head_dim).transpose(1, 2), cos, sin)
+            k = _rotate(k.view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+            v = v.view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2)
+            keys, values = cache.update(k, v, index)
+            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                      enable_gqa=self.heads != self.kv_heads)
+            x = x + linear(attended.transpose(1, 2).reshape(batch, new, q_size), layer.o)
+            h = _rms_norm(x, layer.post_norm, self.eps)
+            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, layer.down)
+        keep = x[:, -logits_to_keep:] if logits_to_keep else x
+        return LeanOutput(linear(_rms_norm(keep, self.final_norm, self.eps), self.lm_head), cache)
+
+    def _rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, 1, T, head_dim] for these positions, from a table grown as needed."""
+        needed = int(position_ids.max()) + 1
+        if needed > self._cos.shape[0]:
+            size = -(-needed // ROPE_TABLE_STEP) * ROPE_TABLE_STEP
+            inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64,
+                                                          device=self.embed.device).float() / self.head_dim))
+            # transformers computes the angles in float32 and casts cos/sin to the model's dtype
+            angles = torch.arange(size, device=self.embed.device).float()[:, None] * inv_freq[None]
+            angles = torch.cat((angles, angles), dim=-1)
+            self._cos, self._sin = angles.cos().to(self.embed.dtype), angles.sin().to(self.embed.dtype)
+        return self._cos[position_ids][:, None], self._sin[position_ids][:, None]
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+def _fuse(layer: Any) -> _Layer:
+    """The layer's weights, q/k/v and gate/up each in one tensor whose slices the model now uses."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = _fused_parameters([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up = _fused_parameters([mlp.gate_proj, mlp.up_proj])
+    return _Layer(layer.input_layernorm.weight, qkv, attn.o_proj.weight, layer.post_attention_layernorm.weight,
+                  gate_up, mlp.down_proj.weight)
+
+
+def _fused_parameters(linears: list[torch.nn.Linear]) -> torch.Tensor:
+    """One tensor holding the linears' weights, row blocks in order; each linear's weight
+    becomes a view of its block (no second copy of the weights is kept)."""
+    fused = torch.cat([linear.weight.detach() for linear in linears])
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = torch.nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+def _plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight)
+
+
+class PackedLinear:
+    """x @ W.T through MKL's packed sgemm (float32 on a CPU with MKL), W packed once at load.
+
+    For the few rows of a verification pass (3 to 16 tokens) torch's float32 matrix
+    product leaves the memory-bound path it takes for one or two rows: on 2 cores the
+    30 layers' products cost 27 ms for one token and 68 ms for nine. MKL's packed kernel
+    (what PyTorch's inductor uses for frozen CPU linears) keeps one token at 27 ms and does
+    nine in 42 ms, so a verified token costs less than half as much (docs/benchmarks.md).
+    The packed copies add about the weights' size in memory. Results agree with F.linear to
+    float32 rounding (the summation order differs), not bit for bit.
+    """
+
+    def __init__(self, weights: list[torch.Tensor]) -> None:
+        self.packed = {w.data_ptr(): torch.ops.mkl._mkl_reorder_linear_weight(w, PACKED_FOR_ROWS) for w in weights}
+
+    @classmethod
+    def for_model(cls, lean: LeanLlama) -> PackedLinear | Callable:
+        """Packed products where MKL can do them (float32 on a CPU), else plain F.linear."""
+        if not (lean.embed.device.type == "cpu" and lean.embed.dtype == torch.float32
+                and torch.backends.mkl.is_available()):
+            return _plain_linear
+        weights = [w for layer in lean.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return cls([*weights, lean.lm_head])
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkl._mkl_linear(rows, self.packed[weight.data_ptr()], weight, None, rows.shape[0])
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm: computed in float32, cast back, then scaled."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021), in transformers' rotate-half layout."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _attention_mask(padding: torch.Tensor | None, past: int, new: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean [B or 1, 1, new, past + new] (True: may attend), None when a plain pass needs none.
+
+    A new token at offset i sees the cache and the new tokens up to itself; `padding` [B,
+    past + new] (1: a real token) hides a batch row's padding slots.
+    """
+    if new == 1 and padding is None:
+        return None
+    total = past + new
+    causal = torch.ones(new, total, dtype=torch.bool, device=device).tril(diagonal=past)[None, None]
+    if padding is None:
+        return causal
+    return causal & padding[:, None, None, :total].bool()
