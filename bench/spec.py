@@ -26,6 +26,7 @@ from pipeline.llm.model import LlmOptions, load_model
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
+CONTROL_METHOD = "specvox-none-transformers"  # plain decoding through transformers' modules
 
 
 def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
@@ -34,7 +35,7 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
     loaded = load_model(settings.llm)
     generator = Generator.from_options(loaded, settings.llm)
     control = Generator(loaded, static_cache=settings.llm.static_cache, lean=False)
-    control_method = "specvox-none-transformers"
+    control_method = CONTROL_METHOD
     methods = ["hf-greedy", "hf-prompt-lookup", control_method,
                *[f"specvox-{d}" for d in generator.drafters]]
     print(f"torch threads {torch.get_num_threads()}, {settings.llm.dtype} on {settings.llm.device}", flush=True)
@@ -100,7 +101,7 @@ def _measure(method: str, generator: Generator, prompt: list[int], max_new: int,
     if method.startswith("hf-"):
         out = _hf_generate(generator, prompt, max_new, method == "hf-prompt-lookup")
     else:
-        drafter = "none" if method.endswith("-cache") else method.removeprefix("specvox-")
+        drafter = "none" if method == CONTROL_METHOD else method.removeprefix("specvox-")
         request = GenerationRequest(tuple(prompt), max_new, drafter, max_draft_tokens=options.max_draft_tokens,
                                     adaptive_draft=options.adaptive_draft)
         out = [t for step in generator.steps(request) for t in step.token_ids]
