@@ -61,7 +61,6 @@ class LeanLlama:
         """`packed`: multiply by MKL-packed copies of the weights where that kernel applies (`PackedLinear`)."""
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a plain Llama model")
-        self.model = model
         config = model.config
         self.config = config
         self.heads = int(config.num_attention_heads)
@@ -85,7 +84,7 @@ class LeanLlama:
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         logits_to_keep: int = 0,
-        use_cache: bool = True,
+        use_cache: bool = True,  # accepted for the transformers call signature; the cache is always kept
     ) -> LeanOutput:
         from transformers import DynamicCache
 
@@ -95,7 +94,9 @@ class LeanLlama:
         past = cache.get_seq_length()
         if position_ids is None:
             position_ids = torch.arange(past, past + new, device=input_ids.device)[None]
-        cos, sin = self._rotary(position_ids)
+            cos, sin = self._rotary(position_ids, past + new)
+        else:
+            cos, sin = self._rotary(position_ids, int(position_ids.max()) + 1)
         mask = _attention_mask(attention_mask, past, new, input_ids.device)
         x, linear = F.embedding(input_ids, self.embed), self.linear
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -115,9 +116,9 @@ class LeanLlama:
         keep = x[:, -logits_to_keep:] if logits_to_keep else x
         return LeanOutput(linear(_rms_norm(keep, self.final_norm, self.eps), self.lm_head), cache)
 
-    def _rotary(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [B, 1, T, head_dim] for these positions, from a table grown as needed."""
-        needed = int(position_ids.max()) + 1
+    def _rotary(self, position_ids: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [B, 1, T, head_dim] for these positions (all below `needed`), from a table
+        grown as needed (`needed` is passed in, so a GPU does not stop to read the positions)."""
         if needed > self._cos.shape[0]:
             size = -(-needed // ROPE_TABLE_STEP) * ROPE_TABLE_STEP
             inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64,
@@ -172,7 +173,8 @@ class PackedLinear:
     30 layers' products cost 27 ms for one token and 68 ms for nine. MKL's packed kernel
     (what PyTorch's inductor uses for frozen CPU linears) keeps one token at 27 ms and does
     nine in 42 ms, so a verified token costs less than half as much (docs/benchmarks.md).
-    The packed copies add about the weights' size in memory. Results agree with F.linear to
+    The packed copies add about 1.3 times the weights' size in memory (+0.7 GB for the
+    bundled target; `llm.pack_weights=false` goes without). Results agree with F.linear to
     float32 rounding (the summation order differs), not bit for bit.
     """
 

@@ -40,6 +40,7 @@ class LlmOptions:
     # Llama-architecture targets run through pipeline/llm/lean_llama.py (same arithmetic, fewer
     # operations, MKL-packed float32 products on a CPU); false: through transformers' modules.
     lean_forward: bool = True
+    pack_weights: bool = True  # lean_forward on a CPU in float32: MKL-packed weight copies (+1.3× their memory)
     max_batch_size: int = 8  # concurrent replies verified in one target pass (pipeline/llm/batch.py); 1: one at a time
 
 
@@ -142,7 +143,7 @@ def load_model(options: LlmOptions) -> LoadedModel:
         device=device,
         context_tokens=int(getattr(model.config, "max_position_embeddings", 2048)),
         eos_token_ids=_eos_ids(model, tokenizer),
-        lean=LeanLlama(model) if options.lean_forward and lean_supports(model) else None,
+        lean=LeanLlama(model, options.pack_weights) if options.lean_forward and lean_supports(model) else None,
     )
 
 
