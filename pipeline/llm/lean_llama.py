@@ -95,11 +95,12 @@ class LeanLlama:
             cache = DynamicCache(config=self.config)
         batch, new = input_ids.shape
         past = cache.get_seq_length()
-        if position_ids is None:
-            position_ids = torch.arange(past, past + new, device=input_ids.device)[None]
-            cos, sin = self._rotary(position_ids, past + new)
-        else:
-            cos, sin = self._rotary(position_ids, int(position_ids.max()) + 1)
+        if position_ids is None:  # consecutive positions after the cache: a slice of the table
+            self._grow_rotary_table(past + new)
+            cos, sin = self._cos[None, None, past : past + new], self._sin[None, None, past : past + new]
+        else:  # a batch's rows, each at its own positions
+            self._grow_rotary_table(int(position_ids.max()) + 1)
+            cos, sin = self._cos[position_ids][:, None], self._sin[position_ids][:, None]
         mask = _attention_mask(attention_mask, past, new, input_ids.device)
         x, linear = F.embedding(input_ids, self.embed), self.linear
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -119,9 +120,8 @@ class LeanLlama:
         keep = x[:, -logits_to_keep:] if logits_to_keep else x
         return LeanOutput(linear(_rms_norm(keep, self.final_norm, self.eps), self.lm_head), cache)
 
-    def _rotary(self, position_ids: torch.Tensor, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [B, 1, T, head_dim] for these positions (all below `needed`), from a table
-        grown as needed (`needed` is passed in, so a GPU does not stop to read the positions)."""
+    def _grow_rotary_table(self, needed: int) -> None:
+        """The cos and sin table [positions, head_dim] covers positions below `needed`."""
         if needed > self._cos.shape[0]:
             size = -(-needed // ROPE_TABLE_STEP) * ROPE_TABLE_STEP
             inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64,
@@ -130,7 +130,6 @@ class LeanLlama:
             angles = torch.arange(size, device=self.embed.device).float()[:, None] * inv_freq[None]
             angles = torch.cat((angles, angles), dim=-1)
             self._cos, self._sin = angles.cos().to(self.embed.dtype), angles.sin().to(self.embed.dtype)
-        return self._cos[position_ids][:, None], self._sin[position_ids][:, None]
 
 
 @dataclass
