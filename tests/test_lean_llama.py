@@ -79,8 +79,7 @@ def test_the_bundled_target_in_float32_uses_packed_products_and_agrees_with_tran
     loaded = load_model(LlmOptions(dtype="float32"))
     lean = loaded.lean
     assert lean is not None
-    if torch.backends.mkl.is_available():
-        assert isinstance(lean.linear, PackedLinear)
+    assert isinstance(lean.linear, PackedLinear) == torch.backends.mkl.is_available()  # float32 on a CPU: packed
     prompt = torch.tensor([loaded.tokenizer.encode("The weather in Paris is lovely today, and")])
     draft = torch.tensor([[253, 1127, 30, 2365, 288, 260, 3267, 28, 347]])  # a nine-token verification
     with torch.inference_mode():
