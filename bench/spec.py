@@ -35,8 +35,7 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
     loaded = load_model(settings.llm)
     generator = Generator.from_options(loaded, settings.llm)
     control = Generator(loaded, static_cache=settings.llm.static_cache, lean=False)
-    control_method = CONTROL_METHOD
-    methods = ["hf-greedy", "hf-prompt-lookup", control_method,
+    methods = ["hf-greedy", "hf-prompt-lookup", CONTROL_METHOD,
                *[f"specvox-{d}" for d in generator.drafters]]
     print(f"torch threads {torch.get_num_threads()}, {settings.llm.dtype} on {settings.llm.device}", flush=True)
     _hf_generate(generator, list(loaded.tokenizer.encode("Hello")), 4, False)  # type: ignore[attr-defined]
@@ -48,7 +47,7 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
         runs = {method: _Tally() for method in methods}
         for i, prompt in enumerate(encoded):  # every method on one prompt, then the next: load drifts alike
             for method in methods:
-                runner = control if method == control_method else generator
+                runner = control if method == CONTROL_METHOD else generator
                 runs[method].add(*_measure(method, runner, prompt, max_new_tokens, settings.llm))
             print(f"  {workload} prompt {i + 1}/{len(encoded)}: " + ", ".join(
                 f"{m.removeprefix('specvox-')} {t.tokens_per_s:.1f}" for m, t in runs.items())
@@ -56,7 +55,7 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
                 flush=True)
         baseline, reference = runs["hf-greedy"].tokens_per_s, runs["hf-greedy"].outputs
         for method, tally in runs.items():
-            runner = control if method == control_method else generator
+            runner = control if method == CONTROL_METHOD else generator
             rows.append({
                 "workload": workload, "method": method, "prompts": len(encoded), "max_new_tokens": max_new_tokens,
                 "dtype": settings.llm.dtype, "device": settings.llm.device,

@@ -144,8 +144,8 @@ class BatchedDecoder:
         mask = torch.cat([self.kept, live], dim=1)
         started = time.perf_counter()
         result = self.generator.forward(input_ids=ids.to(device), attention_mask=mask.long(),
-                                   position_ids=positions.to(device), cache=self.cache, use_cache=True,
-                                   logits_to_keep=width)
+                                        position_ids=positions.to(device), cache=self.cache, use_cache=True,
+                                        logits_to_keep=width)
         logits = result.logits
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the stats time the pass, not its launch
