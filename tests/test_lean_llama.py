@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.llm.lean_llama import LeanLlama, PackedLinear, supports
+from pipeline.llm.lean_llama import LeanLlama, supports
 from pipeline.llm.model import LlmOptions, load_model
+from pipeline.llm.weight_kernels import PackedLinear
 
 
 @pytest.fixture(scope="module")

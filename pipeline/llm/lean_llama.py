@@ -11,7 +11,12 @@ arithmetic as `LlamaForCausalLM` with fewer, larger operations, in the style of 
   them, so nothing is copied and the transformers model (early-exit drafting, Hugging
   Face `generate` in the benchmarks) keeps working on the same memory;
 - rotary cos/sin come from a table computed once per position;
-- the causal mask is built only when a pass has several tokens or padded rows.
+- the causal mask is built only when a pass has several tokens or padded rows;
+- the weights' products go through the kernel their form wants (`weight_kernels`): MKL-packed
+  float32, or 4-bit groups with bfloat16 activations (`llm.weights=int4`);
+- in 16-bit dtypes each query row of a verification pass attends on its own
+  (`_attend_by_row`), so a verified row is computed exactly as plain decoding computes
+  it and speculative decoding stays token-for-token equal to it.
 
 It keeps transformers' `DynamicCache`, so rollback (`crop`), the batch's cache surgery and
 everything else that reads the cache work unchanged. RMSNorm upcasts to float32 as
@@ -21,18 +26,19 @@ Only plain Llama layers qualify (`supports`); anything else runs through transfo
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from pipeline.llm.weight_kernels import Int4Linear, Linear, PackedLinear, plain_linear, row_invariant_linear
+
 ROPE_TABLE_STEP = 1024  # positions added to the rotary table at a time
-PACKED_FOR_ROWS = 9  # MKL packs for a row count; the packed weights serve any (a verify pass is 1-9 rows)
-# Above this many rows (a prompt's prefill) torch's own product is as fast or faster
-# (48 rows: equal; a 200-token prefill: 354 ms against 398 packed), so it takes over.
-PACKED_MAX_ROWS = 32
+WEIGHT_FORMS = ("dense", "int4")  # llm.weights
+# A pass of up to this many tokens a row decodes or verifies; a longer one is a prompt's prefill,
+# which runs batched attention and dense products (the fastest there, whatever the weights' form).
+DECODE_MAX_TOKENS = 32
 
 
 @dataclass
@@ -60,10 +66,17 @@ class LeanLlama:
     """Calls like the transformers model for what the engine asks of it (ids, optional mask and
     positions, a cache, `logits_to_keep`), returning the logits and the grown cache."""
 
-    def __init__(self, model: Any, packed: bool = True) -> None:
-        """`packed`: multiply by MKL-packed copies of the weights where that kernel applies (`PackedLinear`)."""
+    def __init__(self, model: Any, packed: bool = True, weights: str = "dense",
+                 row_invariant: bool | None = None) -> None:
+        """`packed`: dense float32 weights are multiplied through MKL-packed copies where that
+        kernel applies (`PackedLinear`). `weights="int4"`: the layers' weights as 4-bit groups
+        (`Int4Linear`; a bfloat16 model on a CPU). `row_invariant`: a decoding pass computes
+        each row exactly as a one-row pass would (`_attend_by_row`, row-invariant products);
+        None: in 16-bit dtypes, where the rounding of another kernel path flips tokens."""
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a plain Llama model")
+        if weights not in WEIGHT_FORMS:
+            raise ValueError(f"unknown weight form {weights!r}: choose one of {', '.join(WEIGHT_FORMS)}")
         config = model.config
         self.config = config
         self.heads = int(config.num_attention_heads)
@@ -76,8 +89,20 @@ class LeanLlama:
         self.final_norm = inner.norm.weight
         self.lm_head = model.lm_head.weight
         self.layers = [_fuse(layer) for layer in inner.layers]
-        self.linear = PackedLinear.for_model(self) if packed else _plain_linear
+        if row_invariant is None:
+            row_invariant = self.embed.dtype in (torch.bfloat16, torch.float16)
+        self.row_invariant = row_invariant
+        self.linear = self._linear(packed, weights)
         self._cos = self._sin = self.embed.new_zeros(0, self.head_dim)
+
+    def _linear(self, packed: bool, weights: str) -> Linear:
+        layer_weights = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if weights == "int4":
+            Int4Linear.check(self.embed)
+            return Int4Linear(layer_weights)  # the output projection stays dense (8-bit in the GGUF)
+        if packed and PackedLinear.applies(self.embed):
+            return PackedLinear([*layer_weights, self.lm_head])
+        return row_invariant_linear if self.row_invariant else plain_linear
 
     @torch.inference_mode()
     def __call__(
@@ -102,7 +127,9 @@ class LeanLlama:
             self._grow_rotary_table(int(position_ids.max()) + 1)
             cos, sin = self._cos[position_ids][:, None], self._sin[position_ids][:, None]
         mask = _attention_mask(attention_mask, past, new, input_ids.device)
-        x, linear = F.embedding(input_ids, self.embed), self.linear
+        decoding = new <= DECODE_MAX_TOKENS
+        by_row = self.row_invariant and decoding  # a one-token pass without padding (no mask) is one row already
+        x, linear = F.embedding(input_ids, self.embed), self.linear if decoding else plain_linear
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, self.eps)
@@ -111,8 +138,11 @@ class LeanLlama:
             k = _rotate(k.view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
             v = v.view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2)
             keys, values = cache.update(k, v, index)
-            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                      enable_gqa=self.heads != self.kv_heads)
+            if by_row and mask is not None:
+                attended = _attend_by_row(q, keys, values, mask, past)
+            else:
+                attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                          enable_gqa=self.heads != self.kv_heads)
             x = x + linear(attended.transpose(1, 2).reshape(batch, new, q_size), layer.o)
             h = _rms_norm(x, layer.post_norm, self.eps)
             gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
@@ -163,43 +193,6 @@ def _fused_parameters(linears: list[torch.nn.Linear]) -> torch.Tensor:
     return fused
 
 
-def _plain_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return F.linear(x, weight)
-
-
-class PackedLinear:
-    """x @ W.T through MKL's packed sgemm (float32 on a CPU with MKL), W packed once at load.
-
-    For the few rows of a verification pass (3 to 32 tokens) torch's float32 matrix
-    product leaves the memory-bound path it takes for one or two rows: on 2 cores the
-    30 layers' products cost 27 ms for one token and 68 ms for nine. MKL's packed kernel
-    (what PyTorch's inductor uses for frozen CPU linears) keeps one token at 27 ms and does
-    nine in 42 ms, so a verified token costs less than half as much (docs/benchmarks.md).
-    The packed copies add about 1.3 times the weights' size in memory (+0.7 GB for the
-    bundled target; `llm.pack_weights=false` goes without). Results agree with F.linear to
-    float32 rounding (the summation order differs), not bit for bit.
-    """
-
-    def __init__(self, weights: list[torch.Tensor]) -> None:
-        self.packed = {w.data_ptr(): torch.ops.mkl._mkl_reorder_linear_weight(w, PACKED_FOR_ROWS) for w in weights}
-
-    @classmethod
-    def for_model(cls, lean: LeanLlama) -> PackedLinear | Callable:
-        """Packed products where MKL can do them (float32 on a CPU), else plain F.linear."""
-        if not (lean.embed.device.type == "cpu" and lean.embed.dtype == torch.float32
-                and torch.backends.mkl.is_available()):
-            return _plain_linear
-        weights = [w for layer in lean.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return cls([*weights, lean.lm_head])
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] > PACKED_MAX_ROWS:
-            return F.linear(x, weight)
-        out = torch.ops.mkl._mkl_linear(rows, self.packed[weight.data_ptr()], weight, None, rows.shape[0])
-        return out.view(*x.shape[:-1], weight.shape[0])
-
-
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm: computed in float32, cast back, then scaled."""
     x32 = x.float()
@@ -212,6 +205,33 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def _attend_by_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                   past: int) -> torch.Tensor:
+    """Attention in which every query row attends alone, unmasked, to exactly the keys it may see.
+
+    That is the call plain decoding makes for the same token (one row, the cache up to
+    itself), so the row's result is the same to the bit. One batched, masked call over
+    all rows takes another kernel path whose rounding differs; in bfloat16 that flips
+    tokens (44 of 48 verification passes of the bundled target differed from their rows
+    decoded one by one), which would break speculative decoding's equality with plain
+    decoding. The row-by-row calls cost about 0.3 ms a layer for nine rows.
+    """
+    batch, _, new, _ = q.shape
+    gqa = q.shape[1] != keys.shape[1]
+    padded = mask.shape[0] > 1 or not bool(mask[0, 0, -1].all())
+    rows = []
+    for b in range(batch):
+        for i in range(new):
+            if padded:  # a batch row: gather the slots this query sees (its padding is hidden)
+                seen = mask[min(b, mask.shape[0] - 1), 0, i]
+                k, v = keys[b : b + 1, :, seen], values[b : b + 1, :, seen]
+            else:  # the cache up to the query itself, as its own one-token pass sees it
+                k, v = keys[b : b + 1, :, : past + i + 1], values[b : b + 1, :, : past + i + 1]
+            rows.append(F.scaled_dot_product_attention(q[b : b + 1, :, i : i + 1], k, v, enable_gqa=gqa))
+    return torch.cat(rows, dim=2).view(q.shape[1], batch, new, q.shape[3]).transpose(0, 1) if batch > 1 \
+        else torch.cat(rows, dim=2)
 
 
 def _attention_mask(padding: torch.Tensor | None, past: int, new: int, device: torch.device) -> torch.Tensor | None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from pipeline.llm.lean_llama import LeanLlama
+from pipeline.llm.lean_llama import WEIGHT_FORMS, LeanLlama
 from pipeline.llm.lean_llama import supports as lean_supports
 from pipeline.models import ModelRef, not_found_offline, resolve_llm
 
@@ -41,6 +41,9 @@ class LlmOptions:
     # operations, MKL-packed float32 products on a CPU); false: through transformers' modules.
     lean_forward: bool = True
     pack_weights: bool = True  # lean_forward on a CPU in float32: MKL-packed weight copies (+1.3× their memory)
+    # "dense": the weights as loaded, in `dtype`. "int4": the layers' weights as 4-bit groups of 32
+    # (the bundled GGUF's own Q4_1 codes) through torch's CPU kernel; needs lean_forward and dtype=bfloat16.
+    weights: str = "dense"
     max_batch_size: int = 8  # concurrent replies verified in one target pass (pipeline/llm/batch.py); 1: one at a time
 
 
@@ -129,6 +132,7 @@ def load_model(options: LlmOptions) -> LoadedModel:
         torch.set_num_threads(options.torch_threads)
     ref = resolve_llm(options.model)
     dtype = torch_dtype(options.dtype)
+    _check_weight_form(options)
     try:
         tokenizer, model = _from_pretrained(ref, dtype, options.offline)
     except OSError as e:
@@ -143,8 +147,28 @@ def load_model(options: LlmOptions) -> LoadedModel:
         device=device,
         context_tokens=int(getattr(model.config, "max_position_embeddings", 2048)),
         eos_token_ids=_eos_ids(model, tokenizer),
-        lean=LeanLlama(model, options.pack_weights) if options.lean_forward and lean_supports(model) else None,
+        lean=_lean_pass(model, options),
     )
+
+
+def _check_weight_form(options: LlmOptions) -> None:
+    """Refuse a weight form the settings cannot run, before loading anything."""
+    if options.weights not in WEIGHT_FORMS:
+        raise ValueError(f"unknown llm.weights {options.weights!r}: choose one of {', '.join(WEIGHT_FORMS)}")
+    if options.weights == "int4" and not options.lean_forward:
+        raise ValueError("llm.weights=int4 runs in the lean forward pass: set llm.lean_forward=true")
+    if options.weights == "int4" and (options.dtype != "bfloat16" or torch.device(options.device).type != "cpu"):
+        raise ValueError("llm.weights=int4 runs torch's CPU int4 kernel on bfloat16 activations: "
+                         f"set llm.device=cpu and llm.dtype=bfloat16 (not {options.device}, {options.dtype})")
+
+
+def _lean_pass(model: Any, options: LlmOptions) -> LeanLlama | None:
+    if not (options.lean_forward and lean_supports(model)):
+        if options.weights != "dense":
+            raise ValueError(f"llm.weights={options.weights} needs a plain Llama target (the lean forward "
+                             f"pass); {options.model!r} is a {type(model).__name__}")
+        return None
+    return LeanLlama(model, options.pack_weights, options.weights)
 
 
 def _from_pretrained(ref: ModelRef, dtype: torch.dtype, offline: bool) -> tuple[object, torch.nn.Module]:
