@@ -5,7 +5,11 @@ Hugging Face `generate()` greedy, Hugging Face prompt-lookup assisted generation
 plain decoding (through the lean Llama pass where the target has one, and through
 transformers' own modules as a control: `specvox-none-transformers`), and specvox with
 each drafter. Throughput is new tokens over wall time, summed
-over the set; `identical_to_greedy` compares every output with HF greedy's. Requests carry
+over the set; `identical_to_greedy` compares every output with HF greedy's and
+`identical_to_plain` with specvox plain decoding's (the reference in a configuration HF
+does not run, such as `llm.weights=int4`). Outside float32 with dense weights the run
+also times HF greedy on the float32 target (`hf-greedy-float32`), the goal's baseline,
+and reports `speedup_vs_hf_greedy_float32`. Requests carry
 no session key, so the suffix drafter remembers nothing from one prompt to the next; only
 the draft-length controller's statistics (acceptance by match length, verify cost) carry
 over, as they do in the service.
@@ -13,6 +17,7 @@ over, as they do in the service.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -25,6 +30,7 @@ from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.model import LlmOptions, load_model
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 
+FLOAT32_BASELINE = "hf-greedy-float32"  # HF greedy on the float32 target, when the run is in another configuration
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 CONTROL_METHOD = "specvox-none-transformers"  # plain decoding through transformers' modules
 
@@ -35,10 +41,16 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
     loaded = load_model(settings.llm)
     generator = Generator.from_options(loaded, settings.llm)
     control = Generator(loaded, static_cache=settings.llm.static_cache, lean=False)
-    methods = ["hf-greedy", "hf-prompt-lookup", CONTROL_METHOD,
+    float32 = None
+    if (settings.llm.dtype, settings.llm.weights) != ("float32", "dense"):
+        float32 = Generator(load_model(dataclasses.replace(settings.llm, dtype="float32", weights="dense",
+                                                           lean_forward=False)))
+    methods = ["hf-greedy", *([FLOAT32_BASELINE] if float32 else []), "hf-prompt-lookup", CONTROL_METHOD,
                *[f"specvox-{d}" for d in generator.drafters]]
     print(f"torch threads {torch.get_num_threads()}, {settings.llm.dtype} on {settings.llm.device}", flush=True)
     _hf_generate(generator, list(loaded.tokenizer.encode("Hello")), 4, False)  # type: ignore[attr-defined]
+    if float32:
+        _hf_generate(float32, list(loaded.tokenizer.encode("Hello")), 4, False)  # type: ignore[attr-defined]
     generator.warm_up()
     control.warm_up()
     rows = []
@@ -47,22 +59,26 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
         runs = {method: _Tally() for method in methods}
         for i, prompt in enumerate(encoded):  # every method on one prompt, then the next: load drifts alike
             for method in methods:
-                runner = control if method == CONTROL_METHOD else generator
+                runner = {CONTROL_METHOD: control, FLOAT32_BASELINE: float32}.get(method) or generator
                 runs[method].add(*_measure(method, runner, prompt, max_new_tokens, settings.llm))
             print(f"  {workload} prompt {i + 1}/{len(encoded)}: " + ", ".join(
                 f"{m.removeprefix('specvox-')} {t.tokens_per_s:.1f}" for m, t in runs.items())
                 + f"; all identical so far: {all(t.outputs == runs['hf-greedy'].outputs for t in runs.values())}",
                 flush=True)
         baseline, reference = runs["hf-greedy"].tokens_per_s, runs["hf-greedy"].outputs
+        float32_baseline = runs[FLOAT32_BASELINE].tokens_per_s if float32 else baseline
         for method, tally in runs.items():
-            runner = control if method == CONTROL_METHOD else generator
+            runner = {CONTROL_METHOD: control, FLOAT32_BASELINE: float32}.get(method) or generator
             rows.append({
                 "workload": workload, "method": method, "prompts": len(encoded), "max_new_tokens": max_new_tokens,
                 "dtype": settings.llm.dtype, "device": settings.llm.device,
                 "tokens_per_s": round(tally.tokens_per_s, 2),
                 "speedup_vs_hf_greedy": round(tally.tokens_per_s / baseline, 3),
                 "mean_accepted_len": round(tally.tokens / tally.steps, 3) if tally.steps else None,
+                "speedup_vs_hf_greedy_float32": round(tally.tokens_per_s / float32_baseline, 3),
                 "identical_to_greedy": tally.outputs == reference,
+                "identical_to_plain": tally.outputs == runs["specvox-none"].outputs,
+                "weights": settings.llm.weights,
                 "verify_cost_per_token": round(runner.verify_cost.per_token, 4),
                 "torch_threads": torch.get_num_threads(),
             })
@@ -120,8 +136,10 @@ def _hf_generate(generator: Generator, prompt: list[int], max_new: int, prompt_l
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'workload':<9} {'method':<27} {'tok/s':>8} {'vs HF greedy':>13} {'accepted/step':>14} {'identical':>10}")
+    print(f"\n{'workload':<9} {'method':<27} {'tok/s':>8} {'vs HF greedy':>13} {'vs HF fp32':>11} "
+          f"{'accepted/step':>14} {'= HF greedy':>12} {'= plain':>8}")
     for r in rows:
         accepted = "" if r["mean_accepted_len"] is None else f"{r['mean_accepted_len']:.2f}"
         print(f"{r['workload']:<9} {r['method']:<27} {r['tokens_per_s']:>8.1f} {r['speedup_vs_hf_greedy']:>12.2f}x "
-              f"{accepted:>14} {str(r['identical_to_greedy']):>10}")
+              f"{r['speedup_vs_hf_greedy_float32']:>10.2f}x {accepted:>14} {str(r['identical_to_greedy']):>12} "
+              f"{str(r['identical_to_plain']):>8}")
