@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--dtype", help="float32, bfloat16, float16 or float64 (default: llm.dtype)")
+    gen.add_argument("--weights", choices=["dense", "int4"],
+                     help="int4: 4-bit layer weights on a CPU, with --dtype bfloat16 (default: llm.weights)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
     bench.add_argument("what", choices=["turn", "asr", "spec", "spec-plots", "tts", "batch"])
@@ -82,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "client":
         return run_client(settings, args)
     if args.command == "generate":
-        return generate(settings, args)
+        try:
+            return generate(settings, args)
+        except ValueError as e:  # settings it cannot run, an unknown drafter, a prompt too long: said, not traced
+            print(f"specvox generate: {e}", file=sys.stderr)
+            return 2
     if args.command == "bench":
         if args.what == "spec-plots":
             from bench import spec_plots
@@ -253,7 +259,8 @@ def generate(settings, args) -> int:
     from pipeline.llm.prompts import Task, chat_messages, encode_chat
     from pipeline.llm.sampling import SamplingOptions
 
-    options = dataclasses.replace(settings.llm, dtype=args.dtype or settings.llm.dtype)
+    options = dataclasses.replace(settings.llm, dtype=args.dtype or settings.llm.dtype,
+                                  weights=args.weights or settings.llm.weights)
     loaded = load_model(options)
     generator = Generator.from_options(loaded, options)
     prompt = encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, args.prompt))

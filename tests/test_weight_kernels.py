@@ -165,3 +165,23 @@ def test_the_int4_target_predicts_what_the_float32_target_predicts(bundled_int4)
 def test_weight_forms_the_settings_cannot_run_are_refused_before_loading(settings, message):
     with pytest.raises(ValueError, match=message):
         load_model(LlmOptions(**settings))
+
+
+def test_specvox_generate_runs_the_int4_configuration_and_refuses_it_in_float32(bundled_int4):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    text = "Why do cats purr?"
+    command = [sys.executable, "-m", "services.cli", "generate", "--prompt", text, "--max-new-tokens", "24"]
+    done = subprocess.run([*command, "--dtype", "bfloat16", "--weights", "int4", "--drafter", "ngram", "--json"],
+                          capture_output=True, text=True, timeout=300, check=True, cwd=root)
+    reply = json.loads(done.stdout.strip().splitlines()[-1])
+    prompt = tuple(encode_chat(bundled_int4.loaded.tokenizer, chat_messages(Task.DIALOGUE, text)))
+    plain = [t for step in bundled_int4.steps(GenerationRequest(prompt, 24, "none")) for t in step.token_ids]
+    assert reply["token_ids"] == plain  # speculative in a fresh process = plain in this one
+    refused = subprocess.run([*command, "--weights", "int4"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert refused.returncode == 2
+    assert "llm.dtype=bfloat16" in refused.stderr and "Traceback" not in refused.stderr
