@@ -51,7 +51,7 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
     _hf_generate(generator, list(loaded.tokenizer.encode("Hello")), 4, False)  # type: ignore[attr-defined]
     if float32:
         _hf_generate(float32, list(loaded.tokenizer.encode("Hello")), 4, False)  # type: ignore[attr-defined]
-    generator.warm_up()
+    generator.warm_up(drafters=generator.drafters)
     control.warm_up()
     rows = []
     for workload in workloads:

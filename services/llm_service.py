@@ -141,7 +141,7 @@ async def run(settings: Settings) -> None:
     print(f"specvox llm loading {settings.llm.model} ({settings.llm.dtype} on {settings.llm.device})", flush=True)
     loaded = load_model(settings.llm)
     servicer = LlmServicer(settings, loaded, redis)
-    servicer.generator.warm_up()
+    servicer.generator.warm_up(drafters=tuple(dict.fromkeys(("none", settings.llm.drafter))))
     await serve(
         "llm",
         lambda server: pb_grpc.add_LlmServicer_to_server(servicer, server),

@@ -38,7 +38,7 @@ from services.settings import Settings
 PROMPTS = load_prompts()
 ALL_PROMPTS = [text for task in ("dialogue", "caption") for text in PROMPTS[task]]
 SOME_PROMPTS = ALL_PROMPTS[::2]  # half of each set, for the slower sampling cases
-DRAFTERS = ("none", "ngram", "suffix", "early-exit", "draft")
+DRAFTERS = ("none", "ngram", "suffix", "early-exit", "quantized", "draft")
 
 
 @pytest.fixture(scope="module")

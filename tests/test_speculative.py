@@ -25,7 +25,7 @@ from pipeline.llm.sampling import SamplingOptions, logits_to_probs, sample, spec
 
 PROMPTS = load_prompts()
 ALL_PROMPTS = [(task, text) for task in ("dialogue", "caption") for text in PROMPTS[task]]
-DRAFTERS = ("ngram", "suffix", "early-exit", "draft")
+DRAFTERS = ("ngram", "suffix", "early-exit", "quantized", "draft")
 FALSE_ALARM = 1e-3  # per chi-square test; 13 tests → family-wise false alarm ≈ 1.3 %
 
 
@@ -80,7 +80,7 @@ def test_plain_float64_equals_hugging_face_generate(tiny, plain_outputs):
         assert plain_outputs[text] == theirs
 
 
-@pytest.mark.parametrize("drafter", ("ngram", "suffix", "early-exit"))
+@pytest.mark.parametrize("drafter", ("ngram", "suffix", "early-exit", "quantized"))
 def test_greedy_on_the_bundled_target_equals_plain_decoding(bundled, drafter):
     for task in ("dialogue", "caption"):
         for text in PROMPTS[task][:2]:

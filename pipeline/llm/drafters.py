@@ -8,9 +8,9 @@ then the tokens committed by earlier steps.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -178,7 +178,7 @@ class ModelDrafter:
 
     model_free = False
 
-    def __init__(self, model: torch.nn.Module, device: torch.device, sampling: SamplingOptions,
+    def __init__(self, model: Callable[..., Any], device: torch.device, sampling: SamplingOptions,
                  generator: torch.Generator | None = None, name: str = "draft") -> None:
         self.model, self.device, self.sampling, self.generator = model, device, sampling, generator
         self.name = name
@@ -219,4 +219,6 @@ class ModelDrafter:
                          use_cache=True, logits_to_keep=1)
         self._cache = out.cache
         self._cached.extend(tokens)
-        return out.logits[0, -1]
+        logits = out.logits[0, -1]
+        # a 16-bit drafter's distribution is computed in float32, so q sums to 1 as the sampling rule needs
+        return logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits

@@ -30,12 +30,15 @@ from pipeline.llm.drafters import (
     PromptLookupDrafter,
     SuffixDrafter,
 )
+from pipeline.llm.lean_llama import LeanLlama
 from pipeline.llm.model import (
     LlmOptions,
     LoadedModel,
     early_exit_model,
     load_draft_model,
     new_kv_cache,
+    quantized_draft_applies,
+    quantized_self_draft,
     rollback,
 )
 from pipeline.llm.prompts import PromptTooLongError
@@ -49,6 +52,7 @@ from pipeline.llm.sampling import (
 
 MODEL_FREE_DRAFTERS = ("none", "ngram", "suffix")
 EARLY_EXIT = "early-exit"
+QUANTIZED = "quantized"  # the target's own weights at 4 bits (model.quantized_self_draft)
 SESSIONS_REMEMBERED = 256  # suffix memories kept, least recently used dropped
 SEEDED_DRAFT_COST = 0.25  # one draft step / one target step, assumed (not timed) for seeded sampling
 
@@ -145,6 +149,7 @@ class Generator:
         self.draft_model = draft_model
         self.early_exit_layers = early_exit_layers
         self._shallow: torch.nn.Module | None = None
+        self._quantized: LeanLlama | None = None
         self._memories: OrderedDict[str, SuffixDrafter] = OrderedDict()
         self.last_stats = GenerationStats()
         # Learned across requests: what a verified token costs here, how often matches hold.
@@ -159,6 +164,7 @@ class Generator:
     @property
     def drafters(self) -> tuple[str, ...]:
         return (*MODEL_FREE_DRAFTERS, *((EARLY_EXIT,) if self.early_exit_layers else ()),
+                *((QUANTIZED,) if quantized_draft_applies(self.loaded) else ()),
                 *(("draft",) if self.draft_model else ()))
 
     def check(self, request: GenerationRequest) -> None:
@@ -176,11 +182,13 @@ class Generator:
                 f"exceeds the {self.loaded.context_tokens}-token context window"
             )
 
-    def warm_up(self, new_tokens: int = 4) -> None:
-        """A short generation, so the first request does not pay for lazy initialisation."""
+    def warm_up(self, new_tokens: int = 4, drafters: tuple[str, ...] = ("none",)) -> None:
+        """A short generation with each drafter, so the first request does not pay for lazy
+        initialisation (the `quantized` drafter builds its 4-bit copy of the target here)."""
         prompt = tuple(self.loaded.tokenizer.encode("Hello"))  # type: ignore[attr-defined]
-        for _ in self.steps(GenerationRequest(prompt, new_tokens)):
-            pass
+        for drafter in drafters:
+            for _ in self.steps(GenerationRequest(prompt, new_tokens, drafter)):
+                pass
 
     @torch.inference_mode()
     def steps(
@@ -203,6 +211,10 @@ class Generator:
             if self._shallow is None:
                 self._shallow = early_exit_model(self.loaded.model, self.early_exit_layers)
             return ModelDrafter(self._shallow, self.loaded.device, request.sampling, generator, name=EARLY_EXIT)
+        if request.drafter == QUANTIZED:
+            if self._quantized is None:
+                self._quantized = quantized_self_draft(self.loaded)
+            return ModelDrafter(self._quantized, self.loaded.device, request.sampling, generator, name=QUANTIZED)
         return NoDrafter()
 
     def controller_for(self, request: GenerationRequest, drafter: Drafter) -> DraftLengthController:
