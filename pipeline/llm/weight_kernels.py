@@ -9,11 +9,12 @@ Chosen per model at load (`LeanLlama`, which runs a long prompt's prefill throug
 - `Int4Linear`: 4-bit weights in groups of 32 with a scale and a zero each, through torch's
   CPU int4 kernel with bfloat16 activations (`llm.weights=int4`).
 
-The last three are what the 16-bit configurations need: each row's result does not depend
-on how many rows share the call, so a verification pass reproduces plain decoding bit for
-bit (`tests/test_weight_kernels.py`). Torch's float32 product is not row-invariant (one
-row takes a matrix-vector path, two or more a matrix-matrix one); in float32 the
-difference is rounding that does not change the chosen tokens in practice.
+`row_invariant_linear` and `Int4Linear` are what the 16-bit configurations need: a row's
+result does not depend on how many rows share the call, so a verification pass reproduces
+plain decoding bit for bit (`tests/test_weight_kernels.py`). Torch's float32 product is
+not row-invariant (one row takes a matrix-vector path, two or more a matrix-matrix one),
+nor is MKL's packed one on every shape; in float32 that is rounding which has not
+changed a chosen token in any test or benchmark run.
 """
 
 from __future__ import annotations
