@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--out", default="out/demo")
     gen = sub.add_parser("generate", help="one reply from the LLM stage, in this process (no server)")
     gen.add_argument("--prompt", required=True, help="wrapped in the model's chat template as one user message")
-    gen.add_argument("--drafter", help="none, ngram, suffix, early-exit, quantized, or draft (with llm.draft_model set)")
+    gen.add_argument("--drafter",
+                     help="none, ngram, suffix, early-exit, quantized, or draft (with llm.draft_model set)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     gen.add_argument("--top-k", type=int, default=0)
