@@ -128,7 +128,9 @@ class LeanLlama:
             cos, sin = self._cos[position_ids][:, None], self._sin[position_ids][:, None]
         mask = _attention_mask(attention_mask, past, new, input_ids.device)
         decoding = new <= DECODE_MAX_TOKENS
-        by_row = self.row_invariant and decoding  # a one-token pass without padding (no mask) is one row already
+        # attention row by row needs the mask; a one-token pass without padding (no mask) is one row already
+        by_row = mask if self.row_invariant and decoding else None
+        padded = by_row is not None and (by_row.shape[0] > 1 or not bool(by_row[0, 0, -1].all()))
         x, linear = F.embedding(input_ids, self.embed), self.linear if decoding else plain_linear
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
@@ -138,8 +140,8 @@ class LeanLlama:
             k = _rotate(k.view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
             v = v.view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2)
             keys, values = cache.update(k, v, index)
-            if by_row and mask is not None:
-                attended = _attend_by_row(q, keys, values, mask, past)
+            if by_row is not None:
+                attended = _attend_by_row(q, keys, values, by_row, past, padded)
             else:
                 attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
                                                           enable_gqa=self.heads != self.kv_heads)
@@ -208,7 +210,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def _attend_by_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                   past: int) -> torch.Tensor:
+                   past: int, padded: bool) -> torch.Tensor:
     """Attention in which every query row attends alone, unmasked, to exactly the keys it may see.
 
     That is the call plain decoding makes for the same token (one row, the cache up to
@@ -216,11 +218,11 @@ def _attend_by_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ma
     all rows takes another kernel path whose rounding differs; in bfloat16 that flips
     tokens (44 of 48 verification passes of the bundled target differed from their rows
     decoded one by one), which would break speculative decoding's equality with plain
-    decoding. The row-by-row calls cost about 0.3 ms a layer for nine rows.
+    decoding. The row-by-row calls cost about 0.3 ms a layer for nine rows. `padded`: some
+    row hides slots of the cache (a batch's padding), so its keys are gathered, not sliced.
     """
     batch, _, new, _ = q.shape
     gqa = q.shape[1] != keys.shape[1]
-    padded = mask.shape[0] > 1 or not bool(mask[0, 0, -1].all())
     rows = []
     for b in range(batch):
         for i in range(new):
@@ -230,8 +232,7 @@ def _attend_by_row(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ma
             else:  # the cache up to the query itself, as its own one-token pass sees it
                 k, v = keys[b : b + 1, :, : past + i + 1], values[b : b + 1, :, : past + i + 1]
             rows.append(F.scaled_dot_product_attention(q[b : b + 1, :, i : i + 1], k, v, enable_gqa=gqa))
-    return torch.cat(rows, dim=2).view(q.shape[1], batch, new, q.shape[3]).transpose(0, 1) if batch > 1 \
-        else torch.cat(rows, dim=2)
+    return torch.cat(rows, dim=2).view(q.shape[1], batch, new, q.shape[3]).transpose(0, 1)  # (b, i) order
 
 
 def _attention_mask(padding: torch.Tensor | None, past: int, new: int, device: torch.device) -> torch.Tensor | None:
