@@ -48,9 +48,9 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
     methods = ["hf-greedy", *([FLOAT32_BASELINE] if float32 else []), "hf-prompt-lookup", CONTROL_METHOD,
                *[f"specvox-{d}" for d in generator.drafters]]
     print(f"torch threads {torch.get_num_threads()}, {settings.llm.dtype} on {settings.llm.device}", flush=True)
-    _hf_generate(generator, list(loaded.tokenizer.encode("Hello")), 4, False)  # type: ignore[attr-defined]
-    if float32:
-        _hf_generate(float32, list(loaded.tokenizer.encode("Hello")), 4, False)  # type: ignore[attr-defined]
+    runners = {CONTROL_METHOD: control, **({FLOAT32_BASELINE: float32} if float32 else {})}
+    for hf_runner in (generator, *([float32] if float32 else [])):
+        _hf_generate(hf_runner, list(loaded.tokenizer.encode("Hello")), 4, False)  # type: ignore[attr-defined]
     generator.warm_up(drafters=generator.drafters)
     control.warm_up()
     rows = []
@@ -59,7 +59,7 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
         runs = {method: _Tally() for method in methods}
         for i, prompt in enumerate(encoded):  # every method on one prompt, then the next: load drifts alike
             for method in methods:
-                runner = {CONTROL_METHOD: control, FLOAT32_BASELINE: float32}.get(method) or generator
+                runner = runners.get(method, generator)
                 runs[method].add(*_measure(method, runner, prompt, max_new_tokens, settings.llm))
             print(f"  {workload} prompt {i + 1}/{len(encoded)}: " + ", ".join(
                 f"{m.removeprefix('specvox-')} {t.tokens_per_s:.1f}" for m, t in runs.items())
@@ -68,7 +68,7 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
         baseline, reference = runs["hf-greedy"].tokens_per_s, runs["hf-greedy"].outputs
         float32_baseline = runs[FLOAT32_BASELINE].tokens_per_s if float32 else baseline
         for method, tally in runs.items():
-            runner = {CONTROL_METHOD: control, FLOAT32_BASELINE: float32}.get(method) or generator
+            runner = runners.get(method, generator)
             rows.append({
                 "workload": workload, "method": method, "prompts": len(encoded), "max_new_tokens": max_new_tokens,
                 "dtype": settings.llm.dtype, "device": settings.llm.device,
