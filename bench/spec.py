@@ -7,9 +7,11 @@ transformers' own modules as a control: `specvox-none-transformers`), and specvo
 each drafter. Throughput is new tokens over wall time, summed
 over the set; `identical_to_greedy` compares every output with HF greedy's and
 `identical_to_plain` with specvox plain decoding's (the reference in a configuration HF
-does not run, such as `llm.weights=int4`). Outside float32 with dense weights the run
-also times HF greedy on the float32 target (`hf-greedy-float32`), the goal's baseline,
-and reports `speedup_vs_hf_greedy_float32`. Requests carry
+does not run, such as `llm.weights=int4`). Outside float32 (`llm.weights=int4` with
+bfloat16) the run also times HF greedy on the float32 target (`hf-greedy-float32`), the
+goal's baseline, and reports `speedup_vs_hf_greedy_float32`; in float32 HF greedy already
+runs on the float32 weights (with `llm.weights=int4-exact` too: the codes are the same
+weights). Requests carry
 no session key, so the suffix drafter remembers nothing from one prompt to the next; only
 the draft-length controller's statistics (acceptance by match length, verify cost) carry
 over, as they do in the service.
@@ -42,7 +44,7 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
     generator = Generator.from_options(loaded, settings.llm)
     control = Generator(loaded, static_cache=settings.llm.static_cache, lean=False)
     float32 = None
-    if (settings.llm.dtype, settings.llm.weights) != ("float32", "dense"):
+    if settings.llm.dtype != "float32":
         float32 = Generator(load_model(dataclasses.replace(settings.llm, dtype="float32", weights="dense",
                                                            lean_forward=False)))
     methods = ["hf-greedy", *([FLOAT32_BASELINE] if float32 else []), "hf-prompt-lookup", CONTROL_METHOD,

@@ -13,7 +13,9 @@ arithmetic as `LlamaForCausalLM` with fewer, larger operations, in the style of 
 - rotary cos/sin come from a table computed once per position;
 - the causal mask is built only when a pass has several tokens or padded rows;
 - the weights' products go through the kernel their form wants (`weight_kernels`): MKL-packed
-  float32, or 4-bit groups with bfloat16 activations (`llm.weights=int4`);
+  float32, the checkpoint's own 4- and 8-bit codes dequantized exactly to float32
+  (`exact_codes`, `llm.weights=int4-exact`), or 4-bit groups with bfloat16 activations
+  (`llm.weights=int4`);
 - in 16-bit dtypes each query row of a verification pass attends on its own
   (`_attend_by_row`), so a verified row is computed exactly as plain decoding computes
   it and speculative decoding stays token-for-token equal to it.
@@ -32,10 +34,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from pipeline.llm.exact_codes import ExactCodesLinear
 from pipeline.llm.weight_kernels import Int4Linear, Linear, PackedLinear, plain_linear, row_invariant_linear
 
 ROPE_TABLE_STEP = 1024  # positions added to the rotary table at a time
-WEIGHT_FORMS = ("dense", "int4")  # llm.weights
+WEIGHT_FORMS = ("dense", "int4-exact", "int4")  # llm.weights
 # A pass of up to this many tokens a row decodes or verifies; a longer one is a prompt's prefill,
 # which runs batched attention and dense products (the fastest there, whatever the weights' form).
 DECODE_MAX_TOKENS = 32
@@ -69,8 +72,10 @@ class LeanLlama:
     def __init__(self, model: Any, packed: bool = True, weights: str = "dense",
                  row_invariant: bool | None = None) -> None:
         """`packed`: dense float32 weights are multiplied through MKL-packed copies where that
-        kernel applies (`PackedLinear`). `weights="int4"`: the layers' weights as 4-bit groups
-        (`Int4Linear`; a bfloat16 model on a CPU). `row_invariant`: a decoding pass computes
+        kernel applies (`PackedLinear`). `weights="int4-exact"`: the weights as the 4- and 8-bit
+        codes they were stored in, float32 arithmetic (`ExactCodesLinear`; a float32 model on
+        a CPU). `weights="int4"`: the layers' weights as 4-bit groups (`Int4Linear`; a
+        bfloat16 model on a CPU). `row_invariant`: a decoding pass computes
         each row exactly as a one-row pass would (`_attend_by_row`, row-invariant products);
         None: in 16-bit dtypes, where the rounding of another kernel path flips tokens."""
         if not supports(model):
@@ -100,6 +105,8 @@ class LeanLlama:
         if weights == "int4":
             Int4Linear.check(self.embed)
             return Int4Linear(layer_weights)  # the output projection stays dense (8-bit in the GGUF)
+        if weights == "int4-exact":
+            return ExactCodesLinear(layer_weights, self.lm_head)
         if packed and PackedLinear.applies(self.embed):
             return PackedLinear([*layer_weights, self.lm_head])
         return row_invariant_linear if self.row_invariant else plain_linear

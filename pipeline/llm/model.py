@@ -42,8 +42,11 @@ class LlmOptions:
     # operations, MKL-packed float32 products on a CPU); false: through transformers' modules.
     lean_forward: bool = True
     pack_weights: bool = True  # lean_forward on a CPU in float32: MKL-packed weight copies (+1.3× their memory)
-    # "dense": the weights as loaded, in `dtype`. "int4": the layers' weights as 4-bit groups of 32
-    # (the bundled GGUF's own Q4_1 codes) through torch's CPU kernel; needs lean_forward and dtype=bfloat16.
+    # "dense": the weights as loaded, in `dtype`. "int4-exact": kept as the 4- and 8-bit codes a
+    # quantized checkpoint (the bundled Q4_1 GGUF) stored them in, dequantized exactly to float32 in
+    # the kernel (pipeline/llm/exact_codes.py): float32 outputs, a sixth of the memory traffic; needs
+    # lean_forward, dtype=float32, a CPU with AVX-512. "int4": the layers' weights as 4-bit groups of
+    # 32 through torch's CPU kernel with bfloat16 activations; needs lean_forward and dtype=bfloat16.
     weights: str = "dense"
     max_batch_size: int = 8  # concurrent replies verified in one target pass (pipeline/llm/batch.py); 1: one at a time
 
@@ -177,8 +180,11 @@ def _check_weight_form(options: LlmOptions) -> None:
     """Refuse a weight form the settings cannot run, before loading anything."""
     if options.weights not in WEIGHT_FORMS:
         raise ValueError(f"unknown llm.weights {options.weights!r}: choose one of {', '.join(WEIGHT_FORMS)}")
-    if options.weights == "int4" and not options.lean_forward:
-        raise ValueError("llm.weights=int4 runs in the lean forward pass: set llm.lean_forward=true")
+    if options.weights != "dense" and not options.lean_forward:
+        raise ValueError(f"llm.weights={options.weights} runs in the lean forward pass: set llm.lean_forward=true")
+    if options.weights == "int4-exact" and (options.dtype != "float32" or torch.device(options.device).type != "cpu"):
+        raise ValueError("llm.weights=int4-exact computes in float32 on a CPU: "
+                         f"set llm.device=cpu and llm.dtype=float32 (not {options.device}, {options.dtype})")
     if options.weights == "int4" and (options.dtype != "bfloat16" or torch.device(options.device).type != "cpu"):
         raise ValueError("llm.weights=int4 runs torch's CPU int4 kernel on bfloat16 activations: "
                          f"set llm.device=cpu and llm.dtype=bfloat16 (not {options.device}, {options.dtype})")

@@ -1,0 +1,133 @@
+"""`llm.weights=int4-exact`: the kernel reads back exactly the float32 weights its codes stand
+for, computes each row alone, refuses weights that are not codes, and the bundled target run
+through it decodes what Hugging Face's float32 greedy `generate()` decodes, with every drafter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from bench.prompts import load_prompts
+from pipeline.llm.engine import GenerationRequest, Generator
+from pipeline.llm.exact_codes import ExactCodesLinear, pack_int4, pack_int8, unavailable_reason
+from pipeline.llm.model import LlmOptions, load_model
+from pipeline.llm.prompts import Task, chat_messages, encode_chat
+
+pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+GROUP = 32
+
+
+def q4_1_matrix(out_features: int, in_features: int) -> torch.Tensor:
+    """Weights as GGUF's Q4_1 stores them: w = d·q + m per group of 32, d and m float16, each
+    group using codes 0 and 15 (the quantizer maps the group's extremes there)."""
+    groups = in_features // GROUP
+    q = torch.randint(0, 16, (out_features, groups, GROUP))
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(out_features, groups, 1) * 0.02 + 1e-3).half().float()
+    m = (-torch.rand(out_features, groups, 1) * 0.1).half().float()
+    return (q * d + m).reshape(out_features, in_features)
+
+
+def q8_0_matrix(out_features: int, in_features: int) -> torch.Tensor:
+    """Weights as GGUF's Q8_0 stores them: w = d·q per group of 32, q in −127..127, d float16."""
+    q = torch.randint(-127, 128, (out_features, in_features // GROUP, GROUP))
+    q[..., 0] = 127
+    d = (torch.rand(out_features, in_features // GROUP, 1) * 0.01 + 1e-4).half().float()
+    return (q * d).reshape(out_features, in_features)
+
+
+@pytest.fixture(scope="module")
+def coded():
+    torch.manual_seed(0)
+    layer, output = q4_1_matrix(96, 1536), q8_0_matrix(160, 576)
+    return ExactCodesLinear([layer], output), layer, output
+
+
+def test_the_kernel_reads_back_every_weight_bit_for_bit(coded):
+    linear, layer, output = coded
+    for weight in (layer, output):
+        eye = torch.eye(weight.shape[1])  # row i of the product is column i of W.T: the weights themselves
+        assert torch.equal(linear(eye, weight).T, weight)
+    assert linear.nbytes < (layer.numel() + output.numel()) * 4 / 3  # 4.6 and 8.5 bits a weight, not 32
+
+
+def test_products_are_float32_products_and_each_row_is_computed_alone(coded):
+    linear, layer, output = coded
+    for weight in (layer, output):
+        for rows in (1, 2, 9, 12, 13, 40):  # past 12 rows the kernel sweeps the codes again
+            x = torch.randn(rows, weight.shape[1])
+            together = linear(x, weight)
+            # within float32's bound for a sum of K products (K·2⁻²⁴·Σ|x·w|) of the exact product
+            exact = F.linear(x.double(), weight.double())
+            bound = weight.shape[1] * 2.0**-24 * F.linear(x.double().abs(), weight.double().abs())
+            assert ((together.double() - exact).abs() <= bound).all()
+            alone = torch.cat([linear(x[i : i + 1], weight) for i in range(rows)])
+            assert torch.equal(together, alone), f"{rows} rows differ from one at a time"
+
+
+def test_weights_that_are_not_codes_are_refused():
+    torch.manual_seed(0)
+    assert pack_int4(torch.randn(32, 64)) is None and pack_int8(torch.randn(32, 64)) is None
+    assert pack_int4(q4_1_matrix(32, 64).double()) is None  # float32 only
+    assert pack_int4(q4_1_matrix(24, 64)) is None  # not a whole number of 16-feature blocks
+    with pytest.raises(ValueError, match="1 of 2 are not"):
+        ExactCodesLinear([q4_1_matrix(32, 64), torch.randn(32, 64)])
+    # an output matrix off the 8-bit grid stays dense, and still multiplies
+    output = torch.randn(48, 64)
+    linear = ExactCodesLinear([q4_1_matrix(32, 64)], output)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(linear(x, output), F.linear(x, output))
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"weights": "int4-exact", "dtype": "bfloat16"}, "llm.dtype=float32"),
+    ({"weights": "int4-exact", "lean_forward": False}, "lean_forward=true"),
+])
+def test_settings_that_cannot_run_int4_exact_are_refused_before_loading(settings, message):
+    with pytest.raises(ValueError, match=message):
+        load_model(LlmOptions(**settings))
+
+
+def test_a_model_that_is_not_a_quantized_checkpoint_is_refused(tiny_llm_dir):
+    with pytest.raises(ValueError, match="exactly 4-bit codes"):
+        load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float32", weights="int4-exact"))
+
+
+@pytest.fixture(scope="module")
+def bundled_exact():
+    return Generator(load_model(LlmOptions(dtype="float32", weights="int4-exact")), early_exit_layers=8)
+
+
+def test_the_bundled_target_is_all_codes(bundled_exact):
+    lean = bundled_exact.loaded.lean
+    assert lean is not None and isinstance(lean.linear, ExactCodesLinear)
+    assert len(lean.linear.coded) == 4 * len(lean.layers) + 1  # every layer matrix, and the output matrix
+
+
+@pytest.fixture(scope="module")
+def hf_float32_greedy(bundled_exact):
+    """Transformers' greedy `generate()` on the dequantized float32 model, per prompt."""
+    loaded, prompts, outputs = bundled_exact.loaded, load_prompts(), {}
+    for task in ("dialogue", "caption"):
+        for text in prompts[task][:2]:
+            prompt = encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, text))
+            with torch.inference_mode():
+                out = loaded.model.generate(torch.tensor([prompt]), max_new_tokens=64, do_sample=False,
+                                            eos_token_id=sorted(loaded.eos_token_ids), pad_token_id=0)
+            outputs[tuple(prompt)] = [t for t in out[0, len(prompt):].tolist() if t not in loaded.eos_token_ids]
+    return outputs
+
+
+@pytest.mark.parametrize("drafter", ("none", "ngram", "suffix", "quantized"))
+def test_int4_exact_decoding_equals_hugging_face_float32_greedy(bundled_exact, hf_float32_greedy, drafter):
+    """The codes are the float32 weights, so greedy decoding through them is float32 greedy
+    decoding: token for token what transformers' `generate()` gives on the dequantized model."""
+    accepted = 0
+    for prompt, expected in hf_float32_greedy.items():
+        ours = [t for step in bundled_exact.steps(GenerationRequest(prompt, 64, drafter)) for t in step.token_ids]
+        accepted += bundled_exact.last_stats.accepted_draft_tokens
+        assert ours == expected, bundled_exact.loaded.tokenizer.decode(prompt)
+    assert drafter == "none" or accepted > 0, f"{drafter} never had a token accepted: the test exercised nothing"
