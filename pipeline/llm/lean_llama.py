@@ -142,9 +142,10 @@ class LeanLlama:
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, self.eps)
-            q, k, v = linear(h, layer.qkv).split((q_size, kv_size, kv_size), dim=-1)
-            q = _rotate(q.view(batch, new, self.heads, self.head_dim).transpose(1, 2), cos, sin)
-            k = _rotate(k.view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+            qk, v = linear(h, layer.qkv).split((q_size + kv_size, kv_size), dim=-1)
+            # q and k rotated in one call (the same elementwise arithmetic as one call each)
+            qk = _rotate(qk.view(batch, new, self.heads + self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
+            q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = v.view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2)
             keys, values = cache.update(k, v, index)
             if by_row is not None:
