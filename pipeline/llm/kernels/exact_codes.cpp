@@ -35,6 +35,11 @@ constexpr int64_t kPrefetch = 4096;     // bytes fetched ahead: the hardware pre
 
 inline __m512 halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 
+// 16 signed bytes as 16 floats
+inline __m512 signed_bytes(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+
 inline void prefetch_record(const uint8_t* record, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char*)record + kPrefetch + line, _MM_HINT_T0);
 }
@@ -43,79 +48,71 @@ inline void prefetch_record(const uint8_t* record, int64_t bytes) {
 // stream of records, one per group of 32 inputs: [scales][lows][codes], codes in pairs of
 // inputs, lane t of pair p holding q[t, 2p] | q[t, 2p+1] << 4.
 template <int M>
-void int4_block(const float* x, int64_t K, const uint8_t* records, float* out, int64_t N, int64_t block) {
-  // Two accumulators a row (even and odd inputs): one chain of fused multiply-adds waits on
-  // the last one's latency. Same order for any M, so each row's sum is the same in any call.
-  __m512 even[M], odd[M];
-  for (int r = 0; r < M; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-  const int64_t groups = K / kGroup;
-  const __m512i low_nibble = _mm512_set1_epi32(15);
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* record = records + (block * groups + g) * kInt4Record;
-    prefetch_record(record, kInt4Record);
-    const __m512 scale = halves(record), low = halves(record + 32);
-    const uint8_t* codes = record + 64;
-    for (int64_t p = 0; p < kGroup / 2; ++p) {
-      const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + p * kLanes)));
-      const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low_nibble)), scale, low);
-      const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), scale, low);
-      const int64_t i = g * kGroup + 2 * p;
-      for (int r = 0; r < M; ++r) {
-        even[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + i]), w0, even[r]);
-        odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + i + 1]), w1, odd[r]);
+struct Int4Block {
+  static void run(const float* x, int64_t K, const uint8_t* records, float* out, int64_t N, int64_t block) {
+    // Two accumulators a row (even and odd inputs): one chain of fused multiply-adds waits on
+    // the last one's latency. Same order for any M, so each row's sum is the same in any call.
+    __m512 even[M], odd[M];
+    for (int r = 0; r < M; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    const int64_t groups = K / kGroup;
+    const __m512i low_nibble = _mm512_set1_epi32(15);
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* record = records + (block * groups + g) * kInt4Record;
+      prefetch_record(record, kInt4Record);
+      const __m512 scale = halves(record), low = halves(record + 32);
+      const uint8_t* codes = record + 64;
+      for (int64_t p = 0; p < kGroup / 2; ++p) {
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + p * kLanes)));
+        const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low_nibble)), scale, low);
+        const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), scale, low);
+        const int64_t i = g * kGroup + 2 * p;
+        for (int r = 0; r < M; ++r) {
+          even[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + i]), w0, even[r]);
+          odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + i + 1]), w1, odd[r]);
+        }
       }
     }
+    for (int r = 0; r < M; ++r) _mm512_storeu_ps(out + r * N + block * kLanes, _mm512_add_ps(even[r], odd[r]));
   }
-  for (int r = 0; r < M; ++r) _mm512_storeu_ps(out + r * N + block * kLanes, _mm512_add_ps(even[r], odd[r]));
-}
+};
 
-// As int4_block, for records [scales][codes] of one signed byte per weight.
+// As Int4Block, for records [scales][codes] of one signed byte per weight.
 template <int M>
-void int8_block(const float* x, int64_t K, const uint8_t* records, float* out, int64_t N, int64_t block) {
-  __m512 even[M], odd[M];
-  for (int r = 0; r < M; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-  const int64_t groups = K / kGroup;
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* record = records + (block * groups + g) * kInt8Record;
-    prefetch_record(record, kInt8Record);
-    const __m512 scale = halves(record);
-    const uint8_t* codes = record + 32;
-    for (int64_t t = 0; t < kGroup; t += 2) {
-      const __m512 w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(codes + t * kLanes)))), scale);
-      const __m512 w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(codes + (t + 1) * kLanes)))), scale);
-      const int64_t i = g * kGroup + t;
-      for (int r = 0; r < M; ++r) {
-        even[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + i]), w0, even[r]);
-        odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + i + 1]), w1, odd[r]);
+struct Int8Block {
+  static void run(const float* x, int64_t K, const uint8_t* records, float* out, int64_t N, int64_t block) {
+    __m512 even[M], odd[M];
+    for (int r = 0; r < M; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    const int64_t groups = K / kGroup;
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* record = records + (block * groups + g) * kInt8Record;
+      prefetch_record(record, kInt8Record);
+      const __m512 scale = halves(record);
+      const uint8_t* codes = record + 32;
+      for (int64_t t = 0; t < kGroup; t += 2) {
+        const __m512 w0 = _mm512_mul_ps(signed_bytes(codes + t * kLanes), scale);
+        const __m512 w1 = _mm512_mul_ps(signed_bytes(codes + (t + 1) * kLanes), scale);
+        const int64_t i = g * kGroup + t;
+        for (int r = 0; r < M; ++r) {
+          even[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + i]), w0, even[r]);
+          odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + i + 1]), w1, odd[r]);
+        }
       }
     }
+    for (int r = 0; r < M; ++r) _mm512_storeu_ps(out + r * N + block * kLanes, _mm512_add_ps(even[r], odd[r]));
   }
-  for (int r = 0; r < M; ++r) _mm512_storeu_ps(out + r * N + block * kLanes, _mm512_add_ps(even[r], odd[r]));
-}
+};
 
-template <void (*Block)(const float*, int64_t, const uint8_t*, float*, int64_t, int64_t)>
-void sweep(const float* x, int64_t K, const uint8_t* records, float* out, int64_t N) {
+// All blocks of 16 output features for `rows` activation rows, split across torch's threads.
+// One instantiation per row count (1..kRowsPerSweep) keeps the accumulators in registers.
+template <template <int> class Block, int M = kRowsPerSweep>
+void sweep(int64_t rows, const float* x, int64_t K, const uint8_t* records, float* out, int64_t N) {
+  if constexpr (M > 1) {
+    if (rows < M) return sweep<Block, M - 1>(rows, x, K, records, out, N);
+  }
   at::parallel_for(0, N / kLanes, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) Block(x, K, records, out, N, b);
+    for (int64_t b = b0; b < b1; ++b) Block<M>::run(x, K, records, out, N, b);
   });
 }
-
-// rows is 1..kRowsPerSweep: one instantiation per row count keeps the accumulators in registers
-#define SPECVOX_DISPATCH(BLOCK)                                                              \
-  switch (rows) {                                                                           \
-    case 1: sweep<BLOCK<1>>(xr, K, records, o, N); break;                \
-    case 2: sweep<BLOCK<2>>(xr, K, records, o, N); break;                \
-    case 3: sweep<BLOCK<3>>(xr, K, records, o, N); break;                \
-    case 4: sweep<BLOCK<4>>(xr, K, records, o, N); break;                \
-    case 5: sweep<BLOCK<5>>(xr, K, records, o, N); break;                \
-    case 6: sweep<BLOCK<6>>(xr, K, records, o, N); break;                \
-    case 7: sweep<BLOCK<7>>(xr, K, records, o, N); break;                \
-    case 8: sweep<BLOCK<8>>(xr, K, records, o, N); break;                \
-    case 9: sweep<BLOCK<9>>(xr, K, records, o, N); break;                \
-    case 10: sweep<BLOCK<10>>(xr, K, records, o, N); break;                \
-    case 11: sweep<BLOCK<11>>(xr, K, records, o, N); break;                \
-    default: sweep<BLOCK<12>>(xr, K, records, o, N); break;               \
-  }
 
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& records, int64_t record_bytes, bool int4) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(),
@@ -125,16 +122,14 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& records, int64
               K % kGroup == 0 && records.size(1) == K / kGroup && records.size(2) == record_bytes,
               "the coded weight does not match x's width");
   auto out = torch::empty({M, N}, x.options());
-  const uint8_t* records_p = records.data_ptr<uint8_t>();
   for (int64_t r0 = 0; r0 < M; r0 += kRowsPerSweep) {
     const int64_t rows = std::min<int64_t>(kRowsPerSweep, M - r0);
     const float* xr = x.data_ptr<float>() + r0 * K;
     float* o = out.data_ptr<float>() + r0 * N;
-    const uint8_t* records = records_p;
     if (int4) {
-      SPECVOX_DISPATCH(int4_block)
+      sweep<Int4Block>(rows, xr, K, records.data_ptr<uint8_t>(), o, N);
     } else {
-      SPECVOX_DISPATCH(int8_block)
+      sweep<Int8Block>(rows, xr, K, records.data_ptr<uint8_t>(), o, N);
     }
   }
   return out;
@@ -146,6 +141,6 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor records) { return linea
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor records) { return linear(x, records, kInt8Record, false); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_linear", &int4_linear, "x @ W.T, W as records of 4-bit codes with a float16 scale and low per group of 32");
-  m.def("int8_linear", &int8_linear, "x @ W.T, W as records of 8-bit codes with a float16 scale per group of 32");
+  m.def("int4_linear", &int4_linear, "x @ W.T, W as records of 4-bit codes, a float16 scale and low per 32");
+  m.def("int8_linear", &int8_linear, "x @ W.T, W as records of 8-bit codes, a float16 scale per 32");
 }
