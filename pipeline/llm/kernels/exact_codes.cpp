@@ -44,73 +44,66 @@ inline void prefetch_record(const uint8_t* record, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch((const char*)record + kPrefetch + line, _MM_HINT_T0);
 }
 
-// One block of 16 output features for M activation rows. The codes of a block lie in one
-// stream of records, one per group of 32 inputs: [scales][lows][codes], codes in pairs of
-// inputs, lane t of pair p holding q[t, 2p] | q[t, 2p+1] << 4.
-template <int M>
-struct Int4Block {
-  static void run(const float* x, int64_t K, const uint8_t* records, float* out, int64_t N, int64_t block) {
-    // Two accumulators a row (even and odd inputs): one chain of fused multiply-adds waits on
-    // the last one's latency. Same order for any M, so each row's sum is the same in any call.
-    __m512 even[M], odd[M];
-    for (int r = 0; r < M; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-    const int64_t groups = K / kGroup;
-    const __m512i low_nibble = _mm512_set1_epi32(15);
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* record = records + (block * groups + g) * kInt4Record;
-      prefetch_record(record, kInt4Record);
-      const __m512 scale = halves(record), low = halves(record + 32);
-      const uint8_t* codes = record + 64;
-      for (int64_t p = 0; p < kGroup / 2; ++p) {
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + p * kLanes)));
-        const __m512 w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low_nibble)), scale, low);
-        const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), scale, low);
-        const int64_t i = g * kGroup + 2 * p;
-        for (int r = 0; r < M; ++r) {
-          even[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + i]), w0, even[r]);
-          odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + i + 1]), w1, odd[r]);
-        }
-      }
-    }
-    for (int r = 0; r < M; ++r) _mm512_storeu_ps(out + r * N + block * kLanes, _mm512_add_ps(even[r], odd[r]));
+// A record's weights for 16 output features, two inputs at a time. 4 bits: [16 float16
+// scales][16 float16 lows][256 bytes of codes], lane t of pair p holding q[t, 2p] | q[t, 2p+1] << 4.
+struct Int4Codes {
+  static constexpr int64_t kRecord = kInt4Record;
+  __m512 scale, low;
+  const uint8_t* codes;
+  explicit Int4Codes(const uint8_t* record) : scale(halves(record)), low(halves(record + 32)), codes(record + 64) {}
+  void pair(int64_t p, __m512& w0, __m512& w1) const {
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(codes + p * kLanes)));
+    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(15))), scale, low);
+    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), scale, low);
   }
 };
 
-// As Int4Block, for records [scales][codes] of one signed byte per weight.
-template <int M>
-struct Int8Block {
-  static void run(const float* x, int64_t K, const uint8_t* records, float* out, int64_t N, int64_t block) {
-    __m512 even[M], odd[M];
-    for (int r = 0; r < M; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-    const int64_t groups = K / kGroup;
-    for (int64_t g = 0; g < groups; ++g) {
-      const uint8_t* record = records + (block * groups + g) * kInt8Record;
-      prefetch_record(record, kInt8Record);
-      const __m512 scale = halves(record);
-      const uint8_t* codes = record + 32;
-      for (int64_t t = 0; t < kGroup; t += 2) {
-        const __m512 w0 = _mm512_mul_ps(signed_bytes(codes + t * kLanes), scale);
-        const __m512 w1 = _mm512_mul_ps(signed_bytes(codes + (t + 1) * kLanes), scale);
-        const int64_t i = g * kGroup + t;
-        for (int r = 0; r < M; ++r) {
-          even[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + i]), w0, even[r]);
-          odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + i + 1]), w1, odd[r]);
-        }
-      }
-    }
-    for (int r = 0; r < M; ++r) _mm512_storeu_ps(out + r * N + block * kLanes, _mm512_add_ps(even[r], odd[r]));
+// 8 bits: [16 float16 scales][512 bytes of codes], one signed byte a weight, input by input.
+struct Int8Codes {
+  static constexpr int64_t kRecord = kInt8Record;
+  __m512 scale;
+  const uint8_t* codes;
+  explicit Int8Codes(const uint8_t* record) : scale(halves(record)), codes(record + 32) {}
+  void pair(int64_t p, __m512& w0, __m512& w1) const {
+    w0 = _mm512_mul_ps(signed_bytes(codes + 2 * p * kLanes), scale);
+    w1 = _mm512_mul_ps(signed_bytes(codes + (2 * p + 1) * kLanes), scale);
   }
 };
+
+// One block of 16 output features for M activation rows; the block's records are one stream.
+template <class Codes, int M>
+void block_product(const float* x, int64_t K, const uint8_t* records, float* out, int64_t N, int64_t block) {
+  // Two accumulators a row (even and odd inputs): one chain of fused multiply-adds waits on
+  // the last one's latency. Same order for any M, so each row's sum is the same in any call.
+  __m512 even[M], odd[M];
+  for (int r = 0; r < M; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+  const int64_t groups = K / kGroup;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* record = records + (block * groups + g) * Codes::kRecord;
+    prefetch_record(record, Codes::kRecord);
+    const Codes codes(record);
+    for (int64_t p = 0; p < kGroup / 2; ++p) {
+      __m512 w0, w1;
+      codes.pair(p, w0, w1);
+      const int64_t i = g * kGroup + 2 * p;
+      for (int r = 0; r < M; ++r) {
+        even[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + i]), w0, even[r]);
+        odd[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + i + 1]), w1, odd[r]);
+      }
+    }
+  }
+  for (int r = 0; r < M; ++r) _mm512_storeu_ps(out + r * N + block * kLanes, _mm512_add_ps(even[r], odd[r]));
+}
 
 // All blocks of 16 output features for `rows` activation rows, split across torch's threads.
 // One instantiation per row count (1..kRowsPerSweep) keeps the accumulators in registers.
-template <template <int> class Block, int M = kRowsPerSweep>
+template <class Codes, int M = kRowsPerSweep>
 void sweep(int64_t rows, const float* x, int64_t K, const uint8_t* records, float* out, int64_t N) {
   if constexpr (M > 1) {
-    if (rows < M) return sweep<Block, M - 1>(rows, x, K, records, out, N);
+    if (rows < M) return sweep<Codes, M - 1>(rows, x, K, records, out, N);
   }
   at::parallel_for(0, N / kLanes, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) Block<M>::run(x, K, records, out, N, b);
+    for (int64_t b = b0; b < b1; ++b) block_product<Codes, M>(x, K, records, out, N, b);
   });
 }
 
@@ -127,9 +120,9 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& records, int64
     const float* xr = x.data_ptr<float>() + r0 * K;
     float* o = out.data_ptr<float>() + r0 * N;
     if (int4) {
-      sweep<Int4Block>(rows, xr, K, records.data_ptr<uint8_t>(), o, N);
+      sweep<Int4Codes>(rows, xr, K, records.data_ptr<uint8_t>(), o, N);
     } else {
-      sweep<Int8Block>(rows, xr, K, records.data_ptr<uint8_t>(), o, N);
+      sweep<Int8Codes>(rows, xr, K, records.data_ptr<uint8_t>(), o, N);
     }
   }
   return out;
