@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.llm.weight_kernels import INT4_GROUP, quantize_int4
+from pipeline.llm.weight_kernels import INT4_GROUP, plain_linear, quantize_int4
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class ExactCodesLinear:
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         coded = self.coded.get(weight.data_ptr())
         if coded is None:
-            return torch.nn.functional.linear(x, weight)
+            return plain_linear(x, weight)
         rows = x.reshape(-1, x.shape[-1]).contiguous()
         product = self.kernels.int4_linear if coded.bits == 4 else self.kernels.int8_linear
         out = product(rows, coded.records)

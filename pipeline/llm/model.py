@@ -176,18 +176,23 @@ def load_model(options: LlmOptions) -> LoadedModel:
     )
 
 
+# The weight forms that run only on a CPU, each with the dtype its kernel computes in and why.
+CPU_WEIGHT_FORMS = {
+    "int4-exact": ("float32", "computes in float32 on a CPU"),
+    "int4": ("bfloat16", "runs torch's CPU int4 kernel on bfloat16 activations"),
+}
+
+
 def _check_weight_form(options: LlmOptions) -> None:
     """Refuse a weight form the settings cannot run, before loading anything."""
     if options.weights not in WEIGHT_FORMS:
         raise ValueError(f"unknown llm.weights {options.weights!r}: choose one of {', '.join(WEIGHT_FORMS)}")
     if options.weights != "dense" and not options.lean_forward:
         raise ValueError(f"llm.weights={options.weights} runs in the lean forward pass: set llm.lean_forward=true")
-    if options.weights == "int4-exact" and (options.dtype != "float32" or torch.device(options.device).type != "cpu"):
-        raise ValueError("llm.weights=int4-exact computes in float32 on a CPU: "
-                         f"set llm.device=cpu and llm.dtype=float32 (not {options.device}, {options.dtype})")
-    if options.weights == "int4" and (options.dtype != "bfloat16" or torch.device(options.device).type != "cpu"):
-        raise ValueError("llm.weights=int4 runs torch's CPU int4 kernel on bfloat16 activations: "
-                         f"set llm.device=cpu and llm.dtype=bfloat16 (not {options.device}, {options.dtype})")
+    needs = CPU_WEIGHT_FORMS.get(options.weights)
+    if needs and (options.dtype != needs[0] or torch.device(options.device).type != "cpu"):
+        raise ValueError(f"llm.weights={options.weights} {needs[1]}: "
+                         f"set llm.device=cpu and llm.dtype={needs[0]} (not {options.device}, {options.dtype})")
 
 
 def _lean_pass(model: Any, options: LlmOptions) -> LeanLlama | None:
