@@ -14,7 +14,7 @@ from types import ModuleType
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "protos"
 GEN_DIR = ROOT / "services" / "gen"
-SERVICES = ("asr", "llm", "tts", "gateway")
+SERVICES = ("asr", "llm", "tts", "gateway")  # each imports specvox/common/v1/common.proto
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,13 @@ def load(service: str) -> tuple[ModuleType, ModuleType]:
         build()
     base = f"services.gen.specvox.{service}.v1.{service}"
     return importlib.import_module(base + "_pb2"), importlib.import_module(base + "_pb2_grpc")
+
+
+def load_common() -> ModuleType:
+    """The messages every service shares (specvox.common.v1): audio, words, cues, stage times."""
+    if is_stale():
+        build()
+    return importlib.import_module("services.gen.specvox.common.v1.common_pb2")
 
 
 if __name__ == "__main__":
