@@ -1,8 +1,16 @@
-"""The reference client: streams a WAV to the gateway like a live microphone and records the reply.
+"""The reference client: a live microphone and a loudspeaker on the gateway's Converse stream.
 
-Audio is sent in real-time-sized chunks, each when a microphone would have finished
-capturing it, so `voice_to_voice_ms` (end of speech in the input → first reply audio
-sample received) is what a person talking to the avatar would experience.
+The microphone sends audio in real-time-sized chunks, each when a microphone would have
+finished capturing it (silence between the user's utterances, as a live one does), so
+`voice_to_voice_ms` (end of speech in the input → first reply audio received) is what a
+person talking to the avatar would experience. The loudspeaker plays each reply in real
+time from its first chunk, stops at a `pause`, plays on at a `resume`, drops the turn's
+audio at an `interrupt`, and reports how far it has played (`Playback`), so the gateway's
+history holds what was heard.
+
+A conversation is a script of utterances (`Say`): each is spoken once the previous reply
+has been heard (and a gap), or, to speak over the avatar, a set time into the reply's
+playback.
 """
 
 from __future__ import annotations
@@ -16,12 +24,15 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from pipeline.audio import read_wav, wav_bytes
+from pipeline.audio import PcmFormat, read_wav, wav_bytes
 from pipeline.captions import Cue, srt_document, webvtt_document
+from pipeline.turn_taking import PlaybackClock
 from services.grpc_server import message_options
-from services.protos import load
+from services.protos import load, load_common
 
 pb, pb_grpc = load("gateway")
+common = load_common()
+CONVERSATION_TIMEOUT_S = 180.0
 
 
 @dataclass
@@ -29,8 +40,25 @@ class ClientOptions:
     chunk_ms: int = 100
     realtime: bool = True
     trailing_silence_s: float = 1.0  # a live microphone keeps sending after the user stops
-    reply_sample_rate_hz: int = 0
+    # True: keep the microphone open (silence) until every reply has been played out, as a
+    # person listening would; False: close after the trailing silence (the gateway then sends
+    # what is left at once).
+    wait_for_replies: bool = False
+    report_every_ms: int = 100  # playback reports while a reply plays
+    config: object | None = None  # a gateway SessionConfig for CreateSession
+    overrides: object | None = None  # a SessionConfig for StreamStart.overrides
+    session_id: str = ""  # converse in this session instead of creating one
     max_message_bytes: int = 4 * 1024 * 1024
+
+
+@dataclass
+class Say:
+    """One utterance of the script: 16-bit PCM in the conversation's input format."""
+
+    pcm: bytes
+    barge_in_after_s: float | None = None  # speak this far into the previous reply's playback
+    gap_s: float = 0.6  # otherwise: this long after the previous reply was heard (or at once, first)
+    label: str = ""
 
 
 @dataclass
@@ -49,6 +77,12 @@ class TurnResult:
     utterance_index: int = -1
     user_cues: list[Cue] = field(default_factory=list)  # the user's words, in the input's timeline
     partials: list = field(default_factory=list)  # gateway Transcript messages before the final
+    pauses_unix_ms: list[int] = field(default_factory=list)
+    resumes: list[str] = field(default_factory=list)  # their reasons
+    interrupt: dict = field(default_factory=dict)
+    audio_after_interrupt: int = 0  # chunks received after the interrupt (none should come)
+    caption: object | None = None  # caption mode: the Caption message
+    played_s: float = 0.0  # how far the loudspeaker played
 
     def reply_pcm(self) -> bytes:
         """The reply's audio laid out on its timeline."""
@@ -63,48 +97,164 @@ class TurnResult:
         return out.tobytes()
 
 
+class Loudspeaker:
+    """Plays one reply at a time in real time; the clock the gateway assumes, driven by events."""
+
+    def __init__(self) -> None:
+        self.turn_id = ""
+        self.clock: PlaybackClock | None = None
+        self.heard: dict[str, float] = {}  # turn → how far it played, once it is over
+        self.dropped: set[str] = set()
+
+    def received(self, turn_id: str, end_s: float, now_s: float) -> None:
+        if turn_id in self.dropped:
+            return
+        if turn_id != self.turn_id:
+            self._finish(now_s)
+            self.turn_id, self.clock = turn_id, PlaybackClock(now_s)
+        assert self.clock is not None
+        self.clock.sent_until_s = max(self.clock.sent_until_s, end_s)
+
+    def pause(self, turn_id: str, now_s: float) -> None:
+        if self.clock and turn_id == self.turn_id:
+            self.clock.pause(now_s)
+
+    def resume(self, turn_id: str, now_s: float) -> None:
+        if self.clock and turn_id == self.turn_id:
+            self.clock.resume(now_s)
+
+    def interrupt(self, turn_id: str, now_s: float) -> None:
+        self.dropped.add(turn_id)
+        if turn_id == self.turn_id:
+            self._finish(now_s)
+
+    def position(self, now_s: float) -> float:
+        return self.clock.position(now_s) if self.clock else 0.0
+
+    def playing(self, now_s: float) -> bool:
+        c = self.clock
+        return c is not None and (c.paused or c.position(now_s) < c.sent_until_s)
+
+    def _finish(self, now_s: float) -> None:
+        if self.clock:
+            self.heard[self.turn_id] = self.clock.position(now_s)
+        self.turn_id, self.clock = "", None
+
+
 async def converse(address: str, wav_path: str, options: ClientOptions = ClientOptions()) -> list[TurnResult]:
+    """Stream one WAV to the gateway as a microphone would; the turns it gave rise to."""
     pcm, fmt = read_wav(wav_path)
-    pcm += b"\0" * (int(options.trailing_silence_s * fmt.sample_rate_hz) * fmt.frame_bytes)
-    chunk_bytes = fmt.bytes_per_s * options.chunk_ms // 1000
+    return await converse_script(address, [Say(pcm)], fmt, options)
+
+
+async def converse_script(address: str, script: list[Say], fmt: PcmFormat,
+                          options: ClientOptions = ClientOptions()) -> list[TurnResult]:
+    """Speak the script's utterances in one Converse stream, listening to the replies."""
+    chunk_bytes = fmt.bytes_per_s * options.chunk_ms // 1000 // fmt.frame_bytes * fmt.frame_bytes
+    speaker = Loudspeaker()
+    turns: dict[str, TurnResult] = {}
+    partials: list = []  # the user's words while they spoke (not part of any turn)
+    state: dict[str, list[float]] = {"said_at_s": []}  # where each utterance begins in the input
+    t0 = time.monotonic()
+
+    def now_s() -> float:
+        return time.monotonic() - t0
+
     async with grpc.aio.insecure_channel(address, options=message_options(options.max_message_bytes)) as channel:
         stub = pb_grpc.GatewayStub(channel)
-        session = await stub.CreateSession(pb.CreateSessionRequest())
+        session_id = options.session_id or (await stub.CreateSession(pb.CreateSessionRequest(
+            config=options.config or pb.SessionConfig()))).session_id
         ready = asyncio.Event()
+        outgoing: asyncio.Queue = asyncio.Queue()
         started = 0.0
 
-        async def messages():
+        def replies_heard() -> bool:
+            """Every utterance said so far has had its reply, and the loudspeaker is quiet."""
+            answered = sum(bool(t.report) and t.report["finish_reason"] != "cancelled" for t in turns.values())
+            return answered >= len(state["said_at_s"]) and not speaker.playing(now_s())
+
+        def due(say: Say, heard_since: float | None) -> bool:
+            if not state["said_at_s"]:
+                return True
+            if say.barge_in_after_s is not None:  # speak over the reply being played
+                return speaker.clock is not None and speaker.position(now_s()) >= say.barge_in_after_s
+            return heard_since is not None and now_s() - heard_since >= say.gap_s
+
+        async def microphone() -> None:
             nonlocal started
-            yield pb.ClientMessage(start=pb.StreamStart(
-                session_id=session.session_id,
-                format=pb.AudioFormat(encoding=pb.AudioFormat.PCM_S16LE, sample_rate_hz=fmt.sample_rate_hz,
-                                      channels=fmt.channels, sample_width_bytes=2),
-                reply_sample_rate_hz=options.reply_sample_rate_hz))
             await ready.wait()  # the gateway accepted session and format
             started = time.time()
-            for i, offset in enumerate(range(0, len(pcm), chunk_bytes)):
+            sent, i, pending = 0, 0, list(script)
+            speech, quiet_since, heard_since = b"", 0.0, None
+            deadline = now_s() + CONVERSATION_TIMEOUT_S
+            while now_s() < deadline:
+                heard = replies_heard()
+                heard_since = (heard_since or now_s()) if heard else None
+                if not speech and pending and due(pending[0], heard_since):
+                    speech = pending.pop(0).pcm
+                    state["said_at_s"].append(sent / fmt.bytes_per_s)
+                    heard_since = None
+                if speech:
+                    chunk, speech = speech[:chunk_bytes], speech[chunk_bytes:]
+                    chunk += b"\0" * (chunk_bytes - len(chunk))
+                    quiet_since = now_s() if not speech else quiet_since
+                else:
+                    chunk = b"\0" * chunk_bytes
+                    done = not pending and now_s() - quiet_since >= options.trailing_silence_s
+                    if done and (not options.wait_for_replies or heard):
+                        break
+                i += 1
                 if options.realtime:
-                    await asyncio.sleep(max(0.0, started + (i + 1) * options.chunk_ms / 1000 - time.time()))
-                yield pb.ClientMessage(audio=pcm[offset : offset + chunk_bytes])
+                    await asyncio.sleep(max(0.0, started + i * options.chunk_ms / 1000 - time.time()))
+                await outgoing.put(pb.ClientMessage(audio=chunk))
+                sent += len(chunk)
+            await outgoing.put(None)
 
-        turns: dict[str, TurnResult] = {}
-        partials: list = []  # the user's words while they spoke (not part of any turn)
-        async for event in stub.Converse(messages()):
-            if event.WhichOneof("event") == "ready":
-                ready.set()
-                continue
-            if event.WhichOneof("event") == "transcript" and not event.transcript.is_final:
-                partials.append(event.transcript)
-                continue
-            turn = turns.setdefault(event.turn_id, TurnResult(turn_id=event.turn_id))
-            _record(turn, event, started)
-        results = list(turns.values())
-        for turn in results:
+        async def reports() -> None:
+            while True:
+                await asyncio.sleep(options.report_every_ms / 1000)
+                if speaker.turn_id and speaker.clock and not speaker.clock.paused:
+                    await outgoing.put(pb.ClientMessage(playback=pb.Playback(
+                        turn_id=speaker.turn_id, played_until_s=speaker.position(now_s()))))
+
+        async def messages():
+            start = pb.StreamStart(session_id=session_id, format=common.AudioFormat(
+                encoding=common.AudioFormat.PCM_S16LE, sample_rate_hz=fmt.sample_rate_hz,
+                channels=fmt.channels, sample_width_bytes=2))
+            if options.overrides is not None:
+                start.overrides.CopyFrom(options.overrides)
+            yield pb.ClientMessage(start=start)
+            while (message := await outgoing.get()) is not None:
+                yield message
+
+        mic = asyncio.create_task(microphone())
+        reporter = asyncio.create_task(reports())
+        try:
+            async for event in stub.Converse(messages()):
+                kind = event.WhichOneof("event")
+                if kind == "ready":
+                    ready.set()
+                    continue
+                if kind == "transcript" and not event.transcript.is_final:
+                    partials.append(event.transcript)
+                    continue
+                turn = turns.setdefault(event.turn_id, TurnResult(turn_id=event.turn_id))
+                _record(turn, event, started, speaker, now_s())
+        finally:
+            mic.cancel()
+            reporter.cancel()
+        for turn in turns.values():
             turn.partials = [p for p in partials if p.utterance_index == turn.utterance_index]
+            turn.played_s = speaker.heard.get(turn.turn_id, speaker.position(now_s())
+                                              if speaker.turn_id == turn.turn_id else 0.0)
+        results = list(turns.values())
+        for result in results:
+            if result.report:
+                result.report |= {"session_id": session_id, "said_at_s": state["said_at_s"]}
         return results
 
 
-def _record(turn: TurnResult, event: pb.ServerEvent, started_unix_s: float) -> None:
+def _record(turn: TurnResult, event, started_unix_s: float, speaker: Loudspeaker, now_s: float) -> None:
     kind = event.WhichOneof("event")
     if kind == "transcript":
         t = event.transcript
@@ -115,19 +265,36 @@ def _record(turn: TurnResult, event: pb.ServerEvent, started_unix_s: float) -> N
     elif kind == "reply_text":
         turn.reply_text += event.reply_text.text_delta
     elif kind == "audio":
+        if turn.interrupt:
+            turn.audio_after_interrupt += 1
+            return
         if not turn.first_audio_unix_ms:
             turn.first_audio_unix_ms = int(time.time() * 1000)
-        turn.sample_rate_hz = event.audio.sample_rate_hz
-        turn.audio.append((event.audio.start_s, event.audio.pcm_s16le))
+        a = event.audio
+        turn.sample_rate_hz = a.sample_rate_hz
+        turn.audio.append((a.start_s, a.pcm_s16le))
+        speaker.received(turn.turn_id, a.start_s + len(a.pcm_s16le) / 2 / a.sample_rate_hz, now_s)
     elif kind == "cue":
         turn.cues.append(Cue(event.cue.start_s, event.cue.end_s, event.cue.text))
     elif kind == "word":
         turn.word_cues.append(Cue(event.word.start_s, event.word.end_s, event.word.text))
+    elif kind == "pause":
+        turn.pauses_unix_ms.append(int(time.time() * 1000))
+        speaker.pause(turn.turn_id, now_s)
+    elif kind == "resume":
+        turn.resumes.append(event.resume.reason)
+        speaker.resume(turn.turn_id, now_s)
+    elif kind == "interrupt":
+        turn.interrupt = {"heard_until_s": event.interrupt.heard_until_s, "heard_text": event.interrupt.heard_text,
+                          "unix_ms": int(time.time() * 1000)}
+        speaker.interrupt(turn.turn_id, now_s)
+    elif kind == "caption":
+        turn.caption = event.caption
     elif kind == "report":
         turn.report = report_dict(turn, event.report, started_unix_s)
 
 
-def report_dict(turn: TurnResult, report: pb.TurnReport, started_unix_s: float) -> dict:
+def report_dict(turn: TurnResult, report, started_unix_s: float) -> dict:
     """The turn's report; times are Unix ms and, under `_ms_after_speech_end`, relative."""
     speech_end_ms = started_unix_s * 1000 + report.speech_end_s * 1000
     stages = {}
@@ -145,11 +312,22 @@ def report_dict(turn: TurnResult, report: pb.TurnReport, started_unix_s: float) 
         "turn_id": turn.turn_id,
         "transcript": report.transcript,
         "reply_text": report.reply_text,
+        "heard_text": report.heard_text,
+        "cut_off": report.cut_off,
         "finish_reason": report.finish_reason,
         "preemption": report.preemption,
         "speech_end_s": round(report.speech_end_s, 3),
+        "speech_end_unix_ms": round(speech_end_ms),
         "voice_to_voice_ms": round(turn.first_audio_unix_ms - speech_end_ms) if turn.first_audio_unix_ms else None,
         "budget_ms": report.budget_ms,
+        "budget_missed": report.budget_missed,
+        "degradations": [f"{d.stage}:{d.name}" for d in report.degradations],
+        "pauses": report.pauses,
+        "resumes": report.resumes,
+        "interrupts": report.interrupts,
+        "end_of_turn_probability": round(report.end_of_turn_probability, 4),
+        "prefix_cached_tokens": report.prefix_cached_tokens,
+        "mode": report.mode,
         "reply_audio_s": round(audio_s, 3),
         "stages": stages,
     }
@@ -158,7 +336,7 @@ def report_dict(turn: TurnResult, report: pb.TurnReport, started_unix_s: float) 
 def write_outputs(turns: list[TurnResult], out_dir: str) -> dict:
     """reply.wav, captions.vtt (and .srt), word_captions.vtt, user_captions.vtt and report.json
     for the conversation's last complete turn."""
-    done = [t for t in turns if t.report]
+    done = [t for t in turns if t.report and t.report["finish_reason"] not in ("cancelled", "interrupted")]
     if not done:
         raise RuntimeError("the gateway finished no turn: was there speech in the audio?")
     turn = done[-1]

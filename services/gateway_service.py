@@ -1,38 +1,68 @@
 """The gateway: the session API for avatar backends.
 
-One `Converse` stream is one conversation: the client's audio goes to asr; each
-final transcript starts a turn, whose reply is written by llm (to the turn's Redis
-stream) and spoken by tts (from that stream) at the same time. Speech from the
-user while a turn runs cancels it (barge-in).
-
-Preemptive generation (`preemptive_generation`, on by default): a partial whose words
-are all committed and after which silence has begun starts the turn before the final
-arrives. The turn's output is held back until the final confirms it: the same text
-(normalised) keeps the turn, any other text cancels it and starts a new one.
-
-A user who speaks again before any of the reply's audio went out was pausing, not done:
-the turn is cancelled as in a barge-in, and its words begin the next turn's text, so the
-reply answers all that was said (Pipecat's user aggregator and LiveKit's turn handling
-gather a user's turn across pauses alike). A short end-of-speech silence then costs a
-restarted reply, not a lost half of a sentence.
+One `Converse` stream is one conversation. The client's audio goes to asr; what asr hears,
+the client's playback reports and time passing go into the conversation's turn-taking state
+machine (pipeline/turn_taking.py), which decides when a turn starts, is confirmed, paused,
+resumed, interrupted or over. This module only carries those decisions out: it converts
+protobuf, calls llm and tts, paces the reply's audio ahead of playback, and writes what
+the user heard into the session's history. docs/architecture.md, "A live session", gives
+the order of events.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
 
-from pipeline.asr_stream import normalised_text
 from pipeline.audio import AudioStreamReader, PcmFormat
-from pipeline.captions import Cue, cues_from_words, webvtt_block
+from pipeline.captions import (
+    Cue,
+    align_caption,
+    caption_lines,
+    cues_from_words,
+    srt_document,
+    webvtt_block,
+    webvtt_document,
+)
 from pipeline.llm.prompts import Exchange
+from pipeline.turn_taking import (
+    Action,
+    AnnounceFinal,
+    AudioSent,
+    CancelTurn,
+    ClientDone,
+    ConfirmTurn,
+    EndOfTurnScored,
+    Event,
+    Final,
+    InterruptPlayback,
+    Partial,
+    PausePlayback,
+    PlaybackReported,
+    RecordExchange,
+    ReplyDone,
+    ResumePlayback,
+    ScoreEndOfTurn,
+    SpeechStarted,
+    StartCaption,
+    StartTurn,
+    Tick,
+    TurnOver,
+    TurnTaking,
+    VoiceEnded,
+    VoiceStarted,
+    WordTimed,
+)
+from services import session_config
 from services.grpc_server import StageClock, message_options, serve, status_on_error
-from services.protos import load
+from services.protos import load, load_common
 from services.redis_store import now_ms
 from services.runtime import RedisContext, open_redis
 from services.settings import Settings
@@ -41,15 +71,19 @@ pb, pb_grpc = load("gateway")
 asr_pb, asr_grpc = load("asr")
 llm_pb, llm_grpc = load("llm")
 tts_pb, tts_grpc = load("tts")
+common = load_common()
 log = logging.getLogger(__name__)
 END = object()
-SPOKEN = frozenset({"reply_text", "audio", "cue", "word"})  # a cancelled turn's events still queued are dropped
+TICK_S = 0.02  # timers of the turn-taking machine (held turns, playout, pauses) are this fine
+KIND = asr_pb.TranscriptEvent
+Config = pb.SessionConfig
+SPOKEN = frozenset({"reply_text", "audio", "cue", "word"})
 
 
 class AudioArrivalClock:
     """Maps a time in the input audio to when the gateway received it (Unix ms)."""
 
-    def __init__(self, fmt: pb.AudioFormat) -> None:
+    def __init__(self, fmt) -> None:
         declared = PcmFormat(fmt.sample_rate_hz, fmt.channels or 1, fmt.sample_width_bytes or 2)
         self.reader = AudioStreamReader(fmt.encoding, declared)
         self._audio_bytes = 0
@@ -75,59 +109,60 @@ class Stubs:
 
 
 @dataclass
-class Turn:
-    """One user utterance and the reply to it."""
+class TurnWork:
+    """One reply being written and spoken: its calls, its held-back output, its times."""
 
     turn_id: str
-    transcript: asr_pb.TranscriptEvent
+    user_text: str
+    transcript: asr_pb.TranscriptEvent  # the utterance's final (or the partial it started from)
     speech_end_unix_ms: int
-    said_before: str = ""  # the user's words of earlier turns that got no reply they heard
     clock: StageClock = field(default_factory=lambda: StageClock("gateway"))
     reply_text: str = ""
     finish_reason: str = ""
     error: str = ""
     first_audio_sent_unix_ms: int = 0
     stage_times: list = field(default_factory=list)
-    preemption: str = ""  # "", or "kept" / "dropped" for a turn started from a partial
-    confirmed: asyncio.Event = field(default_factory=asyncio.Event)  # its output may go out
-    task: asyncio.Task | None = None
-    reported: bool = False
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # ServerEvents waiting to go out
+    confirmed: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    prefix_cached_tokens: int = 0
+    mode: str = "dialogue"
 
-    @property
-    def user_text(self) -> str:
-        """What the reply answers: the words said before it went unanswered, then this utterance."""
-        return " ".join(t for t in (self.said_before, self.transcript.text.strip()) if t)
-
-    @property
-    def running(self) -> bool:
-        return self.task is not None and not self.task.done()
-
-    @property
-    def awaiting_final(self) -> bool:
-        return not self.confirmed.is_set() and self.running
-
-
-@dataclass
-class PreemptionCounts:
-    kept: int = 0  # the final said what the turn was started from
-    dropped: int = 0  # it did not: the early turn was cancelled
+    def cancel(self) -> None:
+        for task in self.tasks:
+            task.cancel()
 
 
 class Conversation:
     """The state of one Converse stream; events for the client go through `events`."""
 
-    def __init__(self, servicer: GatewayServicer, start: pb.StreamStart) -> None:
+    def __init__(self, servicer: GatewayServicer, start, config: Config) -> None:
         self.servicer = servicer
+        self.settings = servicer.settings
         self.start = start
+        self.config = config
+        self.session_id = start.session_id
         self.arrivals = AudioArrivalClock(start.format)
         self.events: asyncio.Queue = asyncio.Queue()
-        self.turn: Turn | None = None
-        self.preemptions = PreemptionCounts()
-        self.cancelled_turns: set[str] = set()
-        self.unanswered = ""  # the user's words since the last reply audio they heard
+        options = self.settings.turn_taking
+        self.machine = TurnTaking(dataclasses.replace(
+            options, backchannels=session_config.backchannels(config, options.backchannels),
+            backchannel_max_words=config.backchannel_max_words or options.backchannel_max_words,
+        ), caption_mode=config.mode == Config.CAPTION)
+        self.work: dict[str, TurnWork] = {}
+        self.finals: dict[int, asr_pb.TranscriptEvent] = {}  # the latest transcript of each utterance
+        self.budget_misses = 0
+        self.unheard: set[str] = set()  # turns interrupted or cancelled: their queued speech is dropped
+        self.degradations = 0
+        self._lock = asyncio.Lock()  # one event through the machine at a time, its actions in order
         self._input_error: Exception | None = None
+        self._t0 = time.monotonic()
+
+    def now_s(self) -> float:
+        return time.monotonic() - self._t0
 
     async def run(self, client_messages: AsyncIterator) -> None:
+        ticker = asyncio.create_task(self._tick())
         try:
             call = self.servicer.stubs.asr.Transcribe()
             forward = asyncio.create_task(self._forward_audio(client_messages, call))
@@ -140,24 +175,41 @@ class Conversation:
                 raise
             finally:
                 forward.cancel()
-            if self.turn and self.turn.task:
-                await self.turn.task
+            await self.handle(ClientDone())
+            while self.work:  # the last turns play out (the client has what it needs to play them)
+                await asyncio.sleep(TICK_S)
             await self.events.put(END)
         except BaseException as e:  # delivered to the client's stream by Converse
             await self.events.put(e)
+        finally:
+            ticker.cancel()
+
+    async def close(self) -> None:
+        """The stream is over (or the client went away): nothing of it keeps running."""
+        for work in list(self.work.values()):
+            work.cancel()
+            await asyncio.gather(*work.tasks, return_exceptions=True)
+        self.work.clear()
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_S)
+            await self.handle(Tick())
 
     async def _forward_audio(self, client_messages: AsyncIterator, call) -> None:
-        """Client audio → asr, checked here so bad input fails the conversation with its own message."""
+        """Client audio → asr, checked here so bad input fails the conversation with its own message;
+        playback reports → the machine."""
         fmt = self.start.format
         try:
             await call.write(asr_pb.TranscribeRequest(config=asr_pb.StreamConfig(
-                session_id=self.start.session_id, language=self.start.language,
-                format=asr_pb.AudioFormat(encoding=fmt.encoding, sample_rate_hz=fmt.sample_rate_hz,
-                                          channels=fmt.channels, sample_width_bytes=fmt.sample_width_bytes),
-            )))
+                session_id=self.session_id, language=self.config.language, format=fmt)))
             async for message in client_messages:
-                if message.WhichOneof("payload") != "audio":
-                    raise ValueError("only audio may follow the start message")
+                kind = message.WhichOneof("payload")
+                if kind == "playback":
+                    await self.handle(PlaybackReported(message.playback.turn_id, message.playback.played_until_s))
+                    continue
+                if kind != "audio":
+                    raise ValueError("only audio and playback reports may follow the start message")
                 self.arrivals.received(message.audio)
                 await call.write(asr_pb.TranscribeRequest(audio=message.audio))
             await call.done_writing()
@@ -170,167 +222,263 @@ class Conversation:
 
     async def _on_transcript(self, event: asr_pb.TranscriptEvent) -> None:
         kind = event.kind
-        if kind == asr_pb.TranscriptEvent.SPEECH_STARTED:
-            turn = self.turn
-            if turn and turn.running and turn.confirmed.is_set() and not turn.first_audio_sent_unix_ms:
-                self.unanswered = turn.user_text  # a pause: these words go on into the next turn
-            await self._cancel_turn()  # barge-in
-        elif kind == asr_pb.TranscriptEvent.PARTIAL:
+        if kind == KIND.VOICE_STARTED:
+            await self.handle(VoiceStarted())
+        elif kind == KIND.VOICE_ENDED:
+            await self.handle(VoiceEnded())
+        elif kind == KIND.SPEECH_STARTED:
+            await self.handle(SpeechStarted(event.utterance_index))
+        elif kind == KIND.PARTIAL:
             await self.events.put(pb.ServerEvent(transcript=_transcript(event, final=False)))
-            if self._may_preempt(event):
-                await self._start_turn(event, preemptive=True)
-        elif kind == asr_pb.TranscriptEvent.FINAL:
-            await self._on_final(event)
+            self.finals[event.utterance_index] = event
+            stable = (self.settings.preemptive_generation and event.speech_ending
+                      and not event.tentative_text.strip() and bool(event.committed_text.strip()))
+            await self.handle(Partial(event.utterance_index, event.text, stable))
+        elif kind == KIND.FINAL:
+            self.finals[event.utterance_index] = event
+            await self.handle(Final(event.utterance_index, event.text))
 
-    def _may_preempt(self, partial: asr_pb.TranscriptEvent) -> bool:
-        """Every word committed, silence begun, and no early turn for this utterance yet."""
-        if not (self.servicer.settings.preemptive_generation and partial.speech_ending):
-            return False
-        if partial.tentative_text.strip() or not partial.committed_text.strip():
-            return False
-        return not (self.turn and self.turn.awaiting_final)
+    async def handle(self, event: Event) -> None:
+        async with self._lock:
+            for action in self.machine.handle(event, self.now_s()):
+                await self._act(action)
 
-    async def _on_final(self, event: asr_pb.TranscriptEvent) -> None:
-        turn = self.turn
-        if turn and turn.awaiting_final and turn.transcript.utterance_index == event.utterance_index:
-            if event.text.strip() and normalised_text(event.text) == normalised_text(turn.transcript.text):
-                self.preemptions.kept += 1
-                turn.preemption, turn.transcript = "kept", event
-                turn.speech_end_unix_ms = self.arrivals.arrival_ms(event.speech_end_s)
-                turn.stage_times.append(_stage(event.times))
-                turn.clock.emitted()  # the final first, then the output held back for it
-                await self.events.put(pb.ServerEvent(turn_id=turn.turn_id, transcript=_transcript(event, final=True)))
-                turn.confirmed.set()
-                return
-            self.preemptions.dropped += 1
-            turn.preemption = "dropped"
-        if event.text.strip():
-            await self._start_turn(event, preemptive=False)
-        else:
-            await self._cancel_turn()
+    async def _act(self, action: Action) -> None:
+        if isinstance(action, StartTurn):
+            await self._start_turn(action)
+        elif isinstance(action, ScoreEndOfTurn):
+            self._score_end_of_turn(action)
+        elif isinstance(action, AnnounceFinal):
+            self._announce_final(action)
+        elif isinstance(action, ConfirmTurn):
+            if work := self.work.get(action.turn_id):
+                work.confirmed.set()
+        elif isinstance(action, CancelTurn):
+            if work := self.work.get(action.turn_id):
+                work.cancel()
+        elif isinstance(action, PausePlayback):
+            self._control(action.turn_id, pause=pb.Pause(at_s=action.at_s))
+        elif isinstance(action, ResumePlayback):
+            self._control(action.turn_id, resume=pb.Resume(from_s=action.from_s, reason=action.reason))
+        elif isinstance(action, InterruptPlayback):
+            self._control(action.turn_id, interrupt=pb.Interrupt(heard_until_s=action.heard_until_s,
+                                                                 heard_text=action.heard_text))
+        elif isinstance(action, RecordExchange):
+            if action.heard_text.strip():
+                await self.servicer.redis.sessions.append(
+                    self.session_id, Exchange(action.user_text, action.heard_text.strip(), action.cut_off))
+        elif isinstance(action, TurnOver):
+            self._turn_over(action)
+        elif isinstance(action, StartCaption):
+            await self._start_caption(action)
 
-    async def _start_turn(self, event: asr_pb.TranscriptEvent, preemptive: bool) -> None:
-        await self._cancel_turn()
-        turn_id = await self.servicer.redis.turns.create(self.start.session_id)
-        turn = Turn(turn_id, event, self.arrivals.arrival_ms(event.speech_end_s), said_before=self.unanswered)
-        turn.clock.received()
-        if not preemptive:
-            turn.stage_times.append(_stage(event.times))
-            turn.confirmed.set()
-            await self._send(turn, transcript=_transcript(event, final=True))
-        turn.task = asyncio.create_task(self._run_turn(turn))
-        self.turn = turn
+    def _control(self, turn_id: str, **event) -> None:
+        """Playback control goes out at once, ahead of anything the turn has queued."""
+        self.events.put_nowait(pb.ServerEvent(turn_id=turn_id, **event))
 
-    async def _cancel_turn(self) -> None:
-        turn = self.turn
-        if turn and turn.task and turn.running:
-            self.cancelled_turns.add(turn.turn_id)  # what it queued for the client is dropped too
-            turn.task.cancel()
-            await asyncio.gather(turn.task, return_exceptions=True)
-            if not turn.reported:  # cancelled before it ran a line: it still gets its report
-                turn.finish_reason = "cancelled"
-                self._put_report(turn)
+    # -- a dialogue turn -------------------------------------------------------------------
 
-    async def _run_turn(self, turn: Turn) -> None:
-        stubs, session_id = self.servicer.stubs, self.start.session_id
-        llm_call = stubs.llm.Reply(llm_pb.ReplyRequest(
-            session_id=session_id, turn_id=turn.turn_id, user_text=turn.user_text,
-            task=llm_pb.ReplyRequest.DIALOGUE, defer_history=True))
+    async def _start_turn(self, action: StartTurn) -> None:
+        transcript = self.finals[action.utterance]
+        await self.servicer.redis.turns.create(self.session_id, action.turn_id)
+        await self.servicer.redis.sessions.touch(self.session_id)
+        work = TurnWork(action.turn_id, action.user_text, transcript,
+                        self.arrivals.arrival_ms(transcript.speech_end_s))
+        work.clock.received()
+        self.work[work.turn_id] = work
+        work.tasks.append(asyncio.create_task(self._run_turn(work)))
+
+    def _budget(self, work: TurnWork):
+        budget_ms = self.config.budget_ms
+        return common.TurnBudget(budget_ms=budget_ms, speech_end_unix_ms=work.speech_end_unix_ms,
+                                 deadline_unix_ms=work.speech_end_unix_ms + budget_ms)
+
+    async def _run_turn(self, work: TurnWork) -> None:
+        stubs, c = self.servicer.stubs, self.config
+        request = llm_pb.ReplyRequest(
+            session_id=self.session_id, turn_id=work.turn_id, user_text=work.user_text,
+            task=llm_pb.ReplyRequest.DIALOGUE, defer_history=True, max_new_tokens=c.max_reply_tokens,
+            drafter=c.drafter, system_prompt=c.system_prompt, budget=self._budget(work))
+        if c.HasField("sampling"):
+            request.sampling.CopyFrom(c.sampling)
+        llm_call = stubs.llm.Reply(request)
         tts_call = stubs.tts.SpeakTurn(tts_pb.SpeakTurnRequest(
-            session_id=session_id, turn_id=turn.turn_id, sample_rate_hz=self.start.reply_sample_rate_hz))
+            session_id=self.session_id, turn_id=work.turn_id, sample_rate_hz=c.reply_sample_rate_hz,
+            voice=c.voice, budget=self._budget(work)))
+        sender = asyncio.create_task(self._send_paced(work))
         try:
-            await asyncio.gather(self._pump_reply(turn, llm_call), self._pump_speech(turn, tts_call))
+            await asyncio.gather(self._pump_reply(work, llm_call), self._pump_speech(work, tts_call))
+            await work.outbox.put(END)
+            await sender
+            await self.handle(ReplyDone(work.turn_id, work.finish_reason))
         except asyncio.CancelledError:
-            turn.finish_reason = "cancelled"
+            work.finish_reason = work.finish_reason or "cancelled"
             raise
         except grpc.aio.AioRpcError as e:  # the turn fails, the conversation goes on
-            log.warning("turn %s failed: %s", turn.turn_id, e.details())
-            turn.finish_reason, turn.error = "error", f"{e.code().name}: {e.details()}"
+            log.warning("turn %s failed: %s", work.turn_id, e.details())
+            work.finish_reason, work.error = "error", f"{e.code().name}: {e.details()}"
+            await self.handle(ReplyDone(work.turn_id, "error"))
         finally:
+            sender.cancel()
             llm_call.cancel()
             tts_call.cancel()
-            turn.clock.emitted()
-            self._put_report(turn)
 
-    async def _remember(self, turn: Turn) -> None:
-        """The exchange joins the session's history once the final confirmed the turn: a dropped
-        early turn, even one whose reply had already ended, never does (llm was told to defer)."""
-        await turn.confirmed.wait()  # then turn.transcript is the final
-        if turn.reply_text.strip():
-            await self.servicer.redis.sessions.append(self.start.session_id,
-                                                      Exchange(turn.user_text, turn.reply_text.strip()))
-
-    async def _pump_reply(self, turn: Turn, call) -> None:
+    async def _pump_reply(self, work: TurnWork, call) -> None:
         async for step in call:
-            turn.reply_text += step.text_delta
+            work.reply_text += step.text_delta
+            if step.seq == 0:
+                work.prefix_cached_tokens = step.prefix_cached_tokens
             if step.text_delta:
-                await self._send(turn, reply_text=pb.ReplyText(text_delta=step.text_delta,
-                                                               accepted_tokens=step.accepted))
+                await work.outbox.put(pb.ServerEvent(turn_id=work.turn_id, reply_text=pb.ReplyText(
+                    text_delta=step.text_delta, accepted_tokens=step.accepted)))
             if step.end:
-                turn.finish_reason = step.finish_reason
-                turn.stage_times.append(_stage(step.times))
-        await self._remember(turn)
+                work.finish_reason = step.finish_reason
+                work.stage_times.append(step.times)
 
-    async def _pump_speech(self, turn: Turn, call) -> None:
+    async def _pump_speech(self, work: TurnWork, call) -> None:
         async for event in call:
             kind = event.WhichOneof("event")
             if kind == "audio":
-                await turn.confirmed.wait()
-                if not turn.first_audio_sent_unix_ms:
-                    turn.first_audio_sent_unix_ms, self.unanswered = now_ms(), ""  # the user hears a reply
-                a = event.audio
-                await self._send(turn, audio=pb.AudioChunk(
-                    pcm_s16le=a.pcm_s16le, sample_rate_hz=a.sample_rate_hz, start_s=a.start_s))
+                await work.outbox.put(pb.ServerEvent(turn_id=work.turn_id, audio=event.audio))
             elif kind in ("cue", "word"):
-                c = getattr(event, kind)
-                block = webvtt_block(Cue(c.start_s, c.end_s, c.text))
-                await self._send(turn, **{kind: pb.CaptionCue(start_s=c.start_s, end_s=c.end_s, text=c.text,
-                                                               webvtt=block)})
+                cue = common.CaptionCue()
+                cue.CopyFrom(getattr(event, kind))
+                cue.webvtt = webvtt_block(Cue(cue.start_s, cue.end_s, cue.text))
+                if kind == "word":
+                    await self.handle(WordTimed(work.turn_id, cue.text, cue.start_s, cue.end_s))
+                await work.outbox.put(pb.ServerEvent(turn_id=work.turn_id, **{kind: cue}))
             elif kind == "times":
-                turn.stage_times.append(_stage(event.times))
+                work.stage_times.append(event.times)
 
-    async def _send(self, turn: Turn, **event) -> None:
-        await turn.confirmed.wait()  # an early turn speaks only once the final confirms it
-        turn.clock.emitted()
-        await self.events.put(pb.ServerEvent(turn_id=turn.turn_id, **event))
+    async def _send_paced(self, work: TurnWork) -> None:
+        """The turn's output, once it is confirmed; audio at most `audio_lead_s` ahead of playback."""
+        await work.confirmed.wait()
+        while (event := await work.outbox.get()) is not END:
+            if event.WhichOneof("event") == "audio":
+                while self.machine.may_send_until_s(work.turn_id, self.now_s()) <= event.audio.start_s:
+                    await asyncio.sleep(TICK_S)
+                if not work.first_audio_sent_unix_ms:
+                    work.first_audio_sent_unix_ms = now_ms()
+                work.clock.emitted()
+                await self.events.put(event)
+                end_s = event.audio.start_s + len(event.audio.pcm_s16le) / 2 / event.audio.sample_rate_hz
+                await self.handle(AudioSent(work.turn_id, end_s))
+            else:
+                work.clock.emitted()
+                await self.events.put(event)
 
-    def _put_report(self, turn: Turn) -> None:
-        turn.reported = True
-        self.events.put_nowait(pb.ServerEvent(turn_id=turn.turn_id, report=self._report(turn)))
+    def _score_end_of_turn(self, action: ScoreEndOfTurn) -> None:
+        if self.settings.turn_taking.end_of_turn_threshold <= 0 or action.turn_id not in self.work:
+            return  # silence alone decides: the machine confirms without a score
+        work = self.work[action.turn_id]
+        work.tasks.append(asyncio.create_task(self._end_of_turn(action)))
 
-    def _report(self, turn: Turn) -> pb.TurnReport:
-        return pb.TurnReport(
-            transcript=turn.user_text,
-            reply_text=turn.reply_text.strip(),
-            speech_end_s=turn.transcript.speech_end_s,
-            speech_end_unix_ms=turn.speech_end_unix_ms,
-            first_audio_sent_unix_ms=turn.first_audio_sent_unix_ms,
-            stages=[*turn.stage_times, turn.clock.to_proto(pb.StageTimes)],
-            budget_ms=self.servicer.settings.turn_budget_ms,
-            finish_reason=turn.finish_reason,
-            error=turn.error,
-            preemption=turn.preemption,
-            preemptions_kept=self.preemptions.kept,
-            preemptions_dropped=self.preemptions.dropped,
-        )
+    async def _end_of_turn(self, action: ScoreEndOfTurn) -> None:
+        try:
+            score = await self.servicer.stubs.llm.EndOfTurn(llm_pb.EndOfTurnRequest(
+                session_id=self.session_id, user_text=action.user_text, system_prompt=self.config.system_prompt))
+            probability = score.probability
+        except grpc.aio.AioRpcError as e:  # without a score the turn ends at the silence, as before
+            log.warning("end-of-turn score failed, taking the turn as complete: %s", e.details())
+            probability = 1.0
+        await self.handle(EndOfTurnScored(action.turn_id, probability))
+
+    def _announce_final(self, action: AnnounceFinal) -> None:
+        work = self.work.get(action.turn_id)
+        final = self.finals.get(action.utterance)
+        if work is None or final is None:
+            return
+        work.transcript = final
+        work.speech_end_unix_ms = self.arrivals.arrival_ms(final.speech_end_s)
+        if final.HasField("times"):
+            work.stage_times.insert(0, final.times)
+        self.events.put_nowait(pb.ServerEvent(turn_id=work.turn_id, transcript=_transcript(final, final=True)))
+
+    def _turn_over(self, over: TurnOver) -> None:
+        work = self.work.pop(over.turn_id, None)
+        if work is None:
+            return
+        work.cancel()
+        work.clock.emitted()
+        voice_ms = work.first_audio_sent_unix_ms - work.speech_end_unix_ms if work.first_audio_sent_unix_ms else None
+        missed = voice_ms is not None and voice_ms > self.config.budget_ms
+        degradations = [pb.Degradation(name=name, stage=s.stage) for s in work.stage_times for name in s.degradations]
+        self.budget_misses += missed
+        self.degradations += len(degradations)
+        counts = over.counts
+        if over.finish_reason in ("interrupted", "cancelled"):
+            self.unheard.add(over.turn_id)
+        finish = over.finish_reason if over.finish_reason != "cancelled" or not work.finish_reason else "cancelled"
+        self.events.put_nowait(pb.ServerEvent(turn_id=work.turn_id, report=pb.TurnReport(
+            transcript=work.user_text, reply_text=work.reply_text.strip(), speech_end_s=work.transcript.speech_end_s,
+            speech_end_unix_ms=work.speech_end_unix_ms, first_audio_sent_unix_ms=work.first_audio_sent_unix_ms,
+            stages=[*work.stage_times, work.clock.to_proto(common.StageTimes)], budget_ms=self.config.budget_ms,
+            finish_reason=finish, error=work.error, preemption=over.preemption,
+            preemptions_kept=counts.preemptions_kept, preemptions_dropped=counts.preemptions_dropped,
+            heard_text=over.heard_text, cut_off=over.cut_off, budget_missed=missed, degradations=degradations,
+            pauses=over.pauses, resumes=over.resumes, interrupts=over.interrupts, session_pauses=counts.pauses,
+            session_resumes=counts.resumes, session_interrupts=counts.interrupts,
+            session_budget_misses=self.budget_misses, session_degradations=self.degradations,
+            end_of_turn_probability=over.end_of_turn_probability, mode=work.mode,
+            prefix_cached_tokens=work.prefix_cached_tokens,
+        )))
+
+    # -- caption mode ----------------------------------------------------------------------
+
+    async def _start_caption(self, action: StartCaption) -> None:
+        final = self.finals[action.utterance]
+        await self.servicer.redis.turns.create(self.session_id, action.turn_id)
+        await self.servicer.redis.sessions.touch(self.session_id)
+        work = TurnWork(action.turn_id, action.text, final, self.arrivals.arrival_ms(final.speech_end_s),
+                        mode="caption")
+        work.clock.received()
+        if final.HasField("times"):
+            work.stage_times.append(final.times)
+        self.work[work.turn_id] = work
+        self.events.put_nowait(pb.ServerEvent(turn_id=work.turn_id, transcript=_transcript(final, final=True)))
+        work.tasks.append(asyncio.create_task(self._run_caption(work)))
+
+    async def _run_caption(self, work: TurnWork) -> None:
+        """The transcript cleaned by the LLM, each caption word placed on the input's timeline."""
+        try:
+            request = llm_pb.ReplyRequest(session_id=self.session_id, turn_id=work.turn_id, user_text=work.user_text,
+                                          task=llm_pb.ReplyRequest.CAPTION, drafter=self.config.drafter,
+                                          max_new_tokens=self.config.max_reply_tokens, budget=self._budget(work))
+            async for step in self.servicer.stubs.llm.Reply(request):
+                work.reply_text += step.text_delta
+                if step.end:
+                    work.finish_reason = step.finish_reason
+                    work.stage_times.append(step.times)
+            text = " ".join(work.reply_text.split()) or work.user_text
+            words = list(work.transcript.words)
+            cues = align_caption(text, words)
+            lines = caption_lines(cues)
+            formats = set(self.config.caption_formats)
+            caption = pb.Caption(
+                text=text, cues=[_cue(c) for c in cues], lines=[_cue(c) for c in lines],
+                webvtt=webvtt_document(lines) if Config.WEBVTT in formats else "",
+                srt=srt_document(lines) if Config.SRT in formats else "")
+            work.clock.emitted()
+            work.first_audio_sent_unix_ms = 0
+            self.events.put_nowait(pb.ServerEvent(turn_id=work.turn_id, caption=caption))
+        except grpc.aio.AioRpcError as e:
+            work.finish_reason, work.error = "error", f"{e.code().name}: {e.details()}"
+        self._turn_over(TurnOver(work.turn_id, work.finish_reason or "eos", "", False, "", -1.0, 0, 0, 0,
+                                 self.machine.counts))
+
+
+def _cue(c: Cue):
+    return common.CaptionCue(start_s=c.start_s, end_s=c.end_s, text=c.text, webvtt=webvtt_block(c))
 
 
 def _transcript(event: asr_pb.TranscriptEvent, final: bool) -> pb.Transcript:
-    words = [pb.Word(text=w.text, start_s=w.start_s, end_s=w.end_s) for w in event.words]
-    cues = [pb.CaptionCue(start_s=c.start_s, end_s=c.end_s, text=c.text, webvtt=webvtt_block(c))
-            for c in cues_from_words(event.words)] if final else []
+    cues = [_cue(c) for c in cues_from_words(event.words)] if final else []
     return pb.Transcript(
-        is_final=final, text=event.text, words=words, speech_start_s=event.speech_start_s,
+        is_final=final, text=event.text, words=event.words, speech_start_s=event.speech_start_s,
         speech_end_s=event.speech_end_s, committed_text=event.committed_text,
         tentative_text=event.tentative_text, stability=event.stability,
         utterance_index=event.utterance_index, cues=cues,
     )
-
-
-def _stage(times) -> pb.StageTimes:
-    return pb.StageTimes(stage=times.stage, first_in_unix_ms=times.first_in_unix_ms,
-                         last_in_unix_ms=times.last_in_unix_ms, first_out_unix_ms=times.first_out_unix_ms,
-                         last_out_unix_ms=times.last_out_unix_ms)
 
 
 class GatewayServicer(pb_grpc.GatewayServicer):
@@ -338,36 +486,51 @@ class GatewayServicer(pb_grpc.GatewayServicer):
         self.settings = settings
         self.redis = redis
         self.stubs = stubs
-        self.preemptions = PreemptionCounts()  # over all conversations, since the server started
+        self._choices: session_config.Choices | None = None
+
+    async def choices(self) -> session_config.Choices:
+        """What llm and tts offer (asked once): the values a session config may name."""
+        if self._choices is None:
+            llm = await self.stubs.llm.Capabilities(llm_pb.CapabilitiesRequest(), timeout=10)
+            tts = await self.stubs.tts.Capabilities(tts_pb.CapabilitiesRequest(), timeout=10)
+            self._choices = session_config.Choices(
+                drafters=tuple(llm.drafters), voices=tuple(tts.voices), default_drafter=llm.default_drafter,
+                default_voice=tts.default_voice, max_new_tokens=llm.max_new_tokens)
+        return self._choices
 
     async def CreateSession(self, request, context: grpc.aio.ServicerContext):
         async with status_on_error(context, "gateway"):
-            if len(request.system_prompt) > 8_000:
-                raise ValueError("system_prompt is longer than 8000 characters")
-            return pb.Session(session_id=await self.redis.sessions.create(request.system_prompt))
+            config = pb.SessionConfig()
+            config.CopyFrom(request.config)
+            config.system_prompt = config.system_prompt or request.system_prompt
+            resolved = session_config.resolve(config, await self.choices(), self.settings.turn_budget_ms)
+            session_id = await self.redis.sessions.create(resolved.system_prompt, session_config.to_json(resolved))
+            return pb.Session(session_id=session_id, config=resolved)
 
     async def Converse(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator:
         async with status_on_error(context, "gateway"):
             start = await _first_start(request_iterator)
-            await self.redis.sessions.require(start.session_id)
-            conversation = Conversation(self, start)
-            yield pb.ServerEvent(ready=pb.StreamReady(session_id=start.session_id))
+            session = await self.redis.sessions.require(start.session_id)
+            stored = session_config.from_json(session.get("config", ""))
+            config = session_config.resolve(session_config.merged(stored, start.overrides), await self.choices(),
+                                            self.settings.turn_budget_ms)
+            conversation = Conversation(self, start, config)
+            yield pb.ServerEvent(ready=pb.StreamReady(session_id=start.session_id, config=config))
             runner = asyncio.create_task(conversation.run(request_iterator))
             try:
                 while (event := await conversation.events.get()) is not END:
                     if isinstance(event, BaseException):
                         raise event
-                    if event.turn_id in conversation.cancelled_turns and event.WhichOneof("event") in SPOKEN:
-                        continue  # a barge-in: the user no longer hears this turn
+                    if event.turn_id in conversation.unheard and event.WhichOneof("event") in SPOKEN:
+                        continue  # a barge-in: no audio of the old turn after its interrupt
                     yield event
             finally:
                 runner.cancel()
-                await conversation._cancel_turn()
-                self.preemptions.kept += conversation.preemptions.kept
-                self.preemptions.dropped += conversation.preemptions.dropped
+                await asyncio.gather(runner, return_exceptions=True)
+                await conversation.close()
 
 
-async def _first_start(request_iterator) -> pb.StreamStart:
+async def _first_start(request_iterator):
     async for message in request_iterator:
         if message.WhichOneof("payload") != "start":
             raise ValueError("the first message of a Converse stream must be its start message")

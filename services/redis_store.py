@@ -1,8 +1,9 @@
 """Redis at the edge: the embedded server, sessions, turns and the per-turn token stream.
 
 Keys (all prefixed `sv:`):
-- `sv:session:{session_id}`            hash: system_prompt, created_unix_ms
-- `sv:session:{session_id}:history`    list of JSON {"user", "assistant"}, oldest first
+- `sv:session:{session_id}`            hash: system_prompt, config (SessionConfig as JSON), created_unix_ms
+- `sv:session:{session_id}:history`    list of JSON {"user", "assistant", "cut_off"}, oldest first:
+                                       what the user heard of each reply
 - `sv:turn:{turn_id}`                  hash: session_id, created_unix_ms
 - `sv:turn:{turn_id}:tokens`           stream, one entry per verify step (see TokenEntry)
 """
@@ -118,12 +119,20 @@ class SessionStore:
     redis: aioredis.Redis
     ttl_s: int = 24 * 3600
 
-    async def create(self, system_prompt: str) -> str:
+    async def create(self, system_prompt: str, config_json: str = "") -> str:
         session_id = uuid.uuid4().hex
         key = f"sv:session:{session_id}"
-        await self.redis.hset(key, mapping={"system_prompt": system_prompt, "created_unix_ms": now_ms()})
+        await self.redis.hset(key, mapping={"system_prompt": system_prompt, "config": config_json,
+                                            "created_unix_ms": now_ms()})
         await self.redis.expire(key, self.ttl_s)
         return session_id
+
+    async def touch(self, session_id: str) -> None:
+        """A session in use does not expire: each turn pushes its expiry `ttl_s` ahead."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.expire(f"sv:session:{session_id}", self.ttl_s)
+            pipe.expire(f"sv:session:{session_id}:history", self.ttl_s)
+            await pipe.execute()
 
     async def require(self, session_id: str) -> dict[str, str]:
         if not session_id:
@@ -139,7 +148,8 @@ class SessionStore:
 
     async def append(self, session_id: str, exchange: Exchange, keep: int = 20) -> None:
         key = f"sv:session:{session_id}:history"
-        await self.redis.rpush(key, json.dumps({"user": exchange.user, "assistant": exchange.assistant}))
+        await self.redis.rpush(key, json.dumps({"user": exchange.user, "assistant": exchange.assistant,
+                                                "cut_off": exchange.cut_off}))
         await self.redis.ltrim(key, -keep, -1)
         await self.redis.expire(key, self.ttl_s)
 

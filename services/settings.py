@@ -15,6 +15,7 @@ from pipeline.asr import AsrOptions
 from pipeline.llm.model import LlmOptions
 from pipeline.tts.backend import TtsOptions
 from pipeline.tts.phrases import PhraseOptions
+from pipeline.turn_taking import TurnTakingOptions
 
 CONFIG_ENV = "SPECVOX_CONFIG"
 DEFAULT_CONFIG_FILE = "specvox.toml"
@@ -48,6 +49,7 @@ class Settings(BaseSettings):
     llm: LlmOptions = LlmOptions()
     tts: TtsOptions = TtsOptions()
     phrases: PhraseOptions = PhraseOptions()
+    turn_taking: TurnTakingOptions = TurnTakingOptions()
 
     @classmethod
     def settings_customise_sources(

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pipeline.audio import float_to_pcm16
 from services.client import ClientOptions, converse, write_outputs
-from services.protos import load
+from services.protos import load, load_common
 from services.redis_store import SessionStore, TurnStore, connect
 from tests.conftest import write_wav
 
@@ -28,6 +28,7 @@ gw, gw_grpc = load("gateway")
 asr, asr_grpc = load("asr")
 llm, llm_grpc = load("llm")
 tts, tts_grpc = load("tts")
+common = load_common()
 FIFTY_MB = b"\x00" * (50 * 1024 * 1024)
 QUESTION = "What is the capital of France?"
 SERVICE_NAMES = {
@@ -140,10 +141,10 @@ async def expect_stream_status(code: grpc.StatusCode, fragment: str, call, messa
     assert fragment.lower() in (details or "").lower(), details
 
 
-def pcm_config(session: str, width: int = 2, encoding=asr.AudioFormat.PCM_S16LE, rate: int = 16_000,
+def pcm_config(session: str, width: int = 2, encoding=common.AudioFormat.PCM_S16LE, rate: int = 16_000,
                language: str = ""):
-    return asr.TranscribeRequest(config=asr.StreamConfig(session_id=session, language=language, format=asr.AudioFormat(
-        encoding=encoding, sample_rate_hz=rate, channels=1, sample_width_bytes=width)))
+    fmt = common.AudioFormat(encoding=encoding, sample_rate_hz=rate, channels=1, sample_width_bytes=width)
+    return asr.TranscribeRequest(config=asr.StreamConfig(session_id=session, language=language, format=fmt))
 
 
 async def test_asr_rejects_bad_input_then_transcribes(channels, session_id, speech):
@@ -152,7 +153,7 @@ async def test_asr_rejects_bad_input_then_transcribes(channels, session_id, spee
     bad = [
         (grpc.StatusCode.INVALID_ARGUMENT, "no audio", [pcm_config(session_id)]),
         (grpc.StatusCode.INVALID_ARGUMENT, "sample width 3", [pcm_config(session_id, width=3), audio]),
-        (grpc.StatusCode.INVALID_ARGUMENT, "not a WAV", [pcm_config(session_id, encoding=asr.AudioFormat.WAV),
+        (grpc.StatusCode.INVALID_ARGUMENT, "not a WAV", [pcm_config(session_id, encoding=common.AudioFormat.WAV),
                                                         asr.TranscribeRequest(audio=b"%PDF-1.7 not audio")]),
         (grpc.StatusCode.INVALID_ARGUMENT, "stray byte", [pcm_config(session_id),
                                                          asr.TranscribeRequest(audio=b"\x01\x02\x03")]),
@@ -231,8 +232,8 @@ async def test_tts_rejects_bad_input_then_speaks(channels, session_id):
 async def test_gateway_rejects_bad_input_then_serves(channels, session_id):
     stub = gw_grpc.GatewayStub(channels["gateway"])
 
-    def start(session: str = session_id, width: int = 2, encoding=gw.AudioFormat.PCM_S16LE):
-        return gw.ClientMessage(start=gw.StreamStart(session_id=session, format=gw.AudioFormat(
+    def start(session: str = session_id, width: int = 2, encoding=common.AudioFormat.PCM_S16LE):
+        return gw.ClientMessage(start=gw.StreamStart(session_id=session, format=common.AudioFormat(
             encoding=encoding, sample_rate_hz=16_000, channels=1, sample_width_bytes=width)))
 
     silence = gw.ClientMessage(audio=b"\x00" * 3200)
@@ -241,7 +242,7 @@ async def test_gateway_rejects_bad_input_then_serves(channels, session_id):
         (grpc.StatusCode.INVALID_ARGUMENT, "sample width", [start(width=1), silence]),
         (grpc.StatusCode.INVALID_ARGUMENT, "no audio", [start()]),
         (grpc.StatusCode.INVALID_ARGUMENT, "not a WAV",
-         [start(encoding=gw.AudioFormat.WAV), gw.ClientMessage(audio=b"GIF89a not audio")]),
+         [start(encoding=common.AudioFormat.WAV), gw.ClientMessage(audio=b"GIF89a not audio")]),
         (grpc.StatusCode.INVALID_ARGUMENT, "first message", [silence]),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max", [start(), gw.ClientMessage(audio=FIFTY_MB)]),
     ]

@@ -22,7 +22,13 @@ class Task(Enum):
 @dataclass(frozen=True)
 class Exchange:
     user: str
-    assistant: str
+    assistant: str  # what the user heard of the reply
+    cut_off: bool = False  # the user spoke over the reply: `assistant` is the part they heard
+
+    @property
+    def assistant_said(self) -> str:
+        """The reply as the model sees it in the history: a cut-off one ends in a dash."""
+        return f"{self.assistant} —" if self.cut_off else self.assistant
 
 
 class PromptTooLongError(ValueError):
@@ -37,7 +43,7 @@ def chat_messages(
     messages = [{"role": "system", "content": persona}]
     for exchange in history:
         messages.append({"role": "user", "content": exchange.user})
-        messages.append({"role": "assistant", "content": exchange.assistant})
+        messages.append({"role": "assistant", "content": exchange.assistant_said})
     messages.append({"role": "user", "content": user_text})
     return messages
 

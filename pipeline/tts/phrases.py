@@ -21,6 +21,10 @@ class PhraseOptions:
     first_phrase_min_chars: int = 12  # shorter clauses are joined to the next one
     first_phrase_max_chars: int = 36  # cut at a word boundary past this (about 8 tokens)
     max_phrase_chars: int = 220
+    # A turn behind its latency budget cuts its first phrase after this many words (`hurry`).
+    hurried_first_phrase_words: int = 3
+    # ... once the first audio's deadline is this close (a first piece takes ~70-120 ms to make).
+    hurry_before_deadline_ms: int = 250
 
 
 class PhraseCutter:
@@ -30,6 +34,17 @@ class PhraseCutter:
         self.options = options
         self._text = ""
         self._phrases_out = 0
+        self.hurried = False
+
+    @property
+    def first_phrase_out(self) -> bool:
+        return self._phrases_out > 0
+
+    def hurry(self) -> bool:
+        """The turn is late: cut the first phrase after a few words. True if it changed anything."""
+        changed = not self.hurried and not self.first_phrase_out
+        self.hurried = True
+        return changed
 
     def feed(self, delta: str) -> list[str]:
         self._text += delta
@@ -48,10 +63,14 @@ class PhraseCutter:
     def _next_cut(self) -> int | None:
         first = self._phrases_out == 0
         pattern = CLAUSE_END if first else SENTENCE_END
-        min_chars = self.options.first_phrase_min_chars if first else 1
+        min_chars = self.options.first_phrase_min_chars if first and not self.hurried else 1
         for match in pattern.finditer(self._text):
             if match.end() >= min_chars and not _after_abbreviation(self._text, match.start()):
                 return match.end()
+        if first and self.hurried:
+            words = list(re.finditer(r"\S+\s", self._text))  # complete words: a space follows
+            if len(words) >= self.options.hurried_first_phrase_words:
+                return words[self.options.hurried_first_phrase_words - 1].end()
         cap = self.options.first_phrase_max_chars if first else self.options.max_phrase_chars
         if len(self._text) > cap:
             space = self._text.rfind(" ", 0, cap)

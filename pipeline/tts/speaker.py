@@ -45,6 +45,7 @@ class ReplySpeaker:
         self.captions = CaptionTrack()
         self._next_index = 0
         self._next_start_s = 0.0
+        self.chunks_out = 0  # audio chunks the caller has numbered so far (their index in the reply)
 
     @property
     def end_s(self) -> float:
