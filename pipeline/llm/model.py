@@ -6,15 +6,23 @@ Device and dtype are settings; nothing here assumes a CPU or a float size.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from pipeline.llm import exact_codes
 from pipeline.llm.lean_llama import WEIGHT_FORMS, LeanLlama
 from pipeline.llm.lean_llama import supports as lean_supports
 from pipeline.llm.weight_kernels import INT4_GROUP, Int4Linear
 from pipeline.models import ModelRef, not_found_offline, resolve_llm
+
+log = logging.getLogger(__name__)
+
+AUTO = "auto"  # llm.weights: int4-exact where it applies, else dense (`auto_weights`)
 
 DTYPES = {
     "float32": torch.float32,
@@ -47,8 +55,14 @@ class LlmOptions:
     # the kernel (pipeline/llm/exact_codes.py): float32 outputs, a sixth of the memory traffic; needs
     # lean_forward, dtype=float32, a CPU with AVX-512. "int4": the layers' weights as 4-bit groups of
     # 32 through torch's CPU kernel with bfloat16 activations; needs lean_forward and dtype=bfloat16.
-    weights: str = "dense"
+    # "auto": int4-exact where it applies (the outputs are dense float32's either way), else dense;
+    # the choice and its reason are logged at load, and `LoadedModel.weights` says which runs.
+    weights: str = "auto"
     max_batch_size: int = 8  # concurrent replies verified in one target pass (pipeline/llm/batch.py); 1: one at a time
+    prefix_cache_sessions: int = 8  # sessions whose KV cache is kept between turns (llm/prefix_cache.py); 0: off
+    # What the latency budget cuts a late turn to (pipeline/llm/budget.py): "reply_capped", "draft_shortened".
+    degraded_max_new_tokens: int = 40
+    degraded_max_draft_tokens: int = 3
 
 
 @dataclass
@@ -59,6 +73,7 @@ class LoadedModel:
     context_tokens: int
     eos_token_ids: frozenset[int]
     lean: LeanLlama | None = None  # the lean forward pass over `model`'s weights, where it applies
+    weights: str = "dense"  # the weight form it runs in (llm.weights, "auto" resolved): dense, int4-exact, int4
 
 
 def load_draft_model(options: LlmOptions, target: LoadedModel) -> LoadedModel | None:
@@ -157,6 +172,10 @@ def load_model(options: LlmOptions) -> LoadedModel:
         torch.set_num_threads(options.torch_threads)
     ref = resolve_llm(options.model)
     dtype = torch_dtype(options.dtype)
+    auto = options.weights == AUTO
+    if auto:
+        form, reason = auto_weights(options, ref)
+        options = replace(options, weights=form)
     _check_weight_form(options)
     try:
         tokenizer, model = _from_pretrained(ref, dtype, options.offline)
@@ -166,14 +185,51 @@ def load_model(options: LlmOptions) -> LoadedModel:
         raise
     device = torch.device(options.device)
     model = model.to(device).eval()  # type: ignore[arg-type]  # transformers' stubs want a dtype
+    if auto:
+        lean, form, reason = _auto_lean_pass(model, options, reason)
+        log.info("llm weights: %s (llm.weights=auto: %s)", form, reason)
+    else:
+        lean, form = _lean_pass(model, options), options.weights
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         device=device,
         context_tokens=int(getattr(model.config, "max_position_embeddings", 2048)),
         eos_token_ids=_eos_ids(model, tokenizer),
-        lean=_lean_pass(model, options),
+        lean=lean,
+        weights=form,
     )
+
+
+def auto_weights(options: LlmOptions, ref: ModelRef) -> tuple[str, str]:
+    """The weight form `llm.weights=auto` loads (int4-exact or dense) and why, before loading:
+    `choose_weights` on this machine's kernel support and the checkpoint's stored tensor types."""
+    gguf = str(Path(ref.name_or_path) / ref.gguf_file) if ref.gguf_file else None
+    return choose_weights(options.device, options.dtype, options.lean_forward, exact_codes.unavailable_reason,
+                          lambda: exact_codes.checkpoint_reason(gguf))
+
+
+def choose_weights(device: str, dtype: str, lean_forward: bool, machine_reason: Callable[[], str | None],
+                   checkpoint_reason: Callable[[], str | None]) -> tuple[str, str]:
+    """("int4-exact" or "dense", the reason) for `llm.weights=auto`.
+
+    int4-exact computes what dense float32 computes, token for token, reading a sixth of the
+    bytes, so it is taken wherever it runs: a float32 target on a CPU, through the lean pass,
+    on a machine that runs the kernel (`machine_reason() is None`: x86-64 with AVX-512), from a
+    checkpoint stored as Q4_1 codes (`checkpoint_reason() is None`). The reasons are asked in
+    that order, each only when the ones before allow int4-exact (reading a checkpoint costs).
+    """
+    if torch.device(device).type != "cpu":
+        return "dense", f"llm.device={device}: the int4-exact kernel runs on a CPU"
+    if dtype != "float32":
+        return "dense", f"llm.dtype={dtype}: int4-exact computes in float32"
+    if not lean_forward:
+        return "dense", "llm.lean_forward=false: int4-exact runs in the lean forward pass"
+    for reason in (machine_reason, checkpoint_reason):
+        why = reason()
+        if why:
+            return "dense", why
+    return "int4-exact", "a float32 Q4_1 checkpoint on a CPU with AVX-512: float32 outputs from the stored codes"
 
 
 # The weight forms that run only on a CPU, each with the dtype its kernel computes in and why.
@@ -184,9 +240,9 @@ CPU_WEIGHT_FORMS = {
 
 
 def _check_weight_form(options: LlmOptions) -> None:
-    """Refuse a weight form the settings cannot run, before loading anything."""
+    """Refuse a weight form the settings cannot run, before loading anything ("auto" is resolved)."""
     if options.weights not in WEIGHT_FORMS:
-        raise ValueError(f"unknown llm.weights {options.weights!r}: choose one of {', '.join(WEIGHT_FORMS)}")
+        raise ValueError(f"unknown llm.weights {options.weights!r}: choose one of {', '.join((*WEIGHT_FORMS, AUTO))}")
     if options.weights != "dense" and not options.lean_forward:
         raise ValueError(f"llm.weights={options.weights} runs in the lean forward pass: set llm.lean_forward=true")
     needs = CPU_WEIGHT_FORMS.get(options.weights)
@@ -202,6 +258,22 @@ def _lean_pass(model: Any, options: LlmOptions) -> LeanLlama | None:
                              f"pass); {options.model!r} is a {type(model).__name__}")
         return None
     return LeanLlama(model, options.pack_weights, options.weights)
+
+
+def _auto_lean_pass(model: Any, options: LlmOptions, reason: str) -> tuple[LeanLlama | None, str, str]:
+    """The lean pass in the form `auto_weights` chose, the form it runs and why. Where int4-exact
+    was chosen but cannot run after all (not a plain Llama target, weights that are not exactly
+    codes, a kernel that does not compile), the dense pass, with a warning that says why."""
+    if options.weights == "int4-exact":
+        if options.lean_forward and not lean_supports(model):
+            reason = f"{type(model).__name__} has no lean forward pass, which int4-exact runs in"
+        else:
+            try:
+                return _lean_pass(model, options), "int4-exact", reason
+            except Exception as e:  # noqa: BLE001 - a codes check or the kernel's build: dense still runs
+                reason = f"int4-exact did not load ({type(e).__name__}: {e})"
+        log.warning("llm weights: int4-exact does not apply after all: %s", reason)
+    return _lean_pass(model, replace(options, weights="dense")), "dense", reason
 
 
 def _from_pretrained(ref: ModelRef, dtype: torch.dtype, offline: bool) -> tuple[object, torch.nn.Module]:
