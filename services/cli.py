@@ -52,15 +52,16 @@ def main(argv: list[str] | None = None) -> int:
                           "int4: 4-bit layer weights on a CPU, with --dtype bfloat16 (default: llm.weights)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
-    bench.add_argument("what", choices=["turn", "asr", "spec", "spec-plots", "tts", "batch"])
+    bench.add_argument("what", choices=["turn", "asr", "spec", "spec-plots", "tts", "batch", "e2e"])
     bench.add_argument("--drafter", default="suffix", help="spec-plots: the drafter swept over draft lengths")
-    bench.add_argument("--out", default="docs", help="spec-plots: folder for the PNGs and JSON")
-    bench.add_argument("--turns", type=int, default=8, help="turn, asr: spoken turns, or sentences per voice")
+    bench.add_argument("--out", default="docs", help="spec-plots, e2e: folder for the PNGs (and JSON)")
+    bench.add_argument("--turns", type=int, default=8,
+                       help="turn, asr, e2e: spoken turns (e2e: each session's), or sentences per voice")
     bench.add_argument("--limit", type=int, default=16, help="spec: prompts per set")
     bench.add_argument("--max-new-tokens", type=int, default=128, help="spec, batch: tokens per prompt")
     bench.add_argument("--workload", action="append", choices=["dialogue", "caption"],
                        help="spec: prompt sets in this order (repeatable; default dialogue then caption)")
-    bench.add_argument("--sessions", default="1,2,4,8", help="batch: concurrent session counts to measure")
+    bench.add_argument("--sessions", help="batch, e2e: concurrent session counts to measure (default 1,2,4,8; e2e 1,4)")
     bench.add_argument("--backend", default="", help="tts: piper or coqui (default: tts.backend)")
     bench.add_argument("--token-ms", type=float, default=40.0, help="tts: a word of the reply every this many ms")
     bench.add_argument("--threads", type=int, default=0, help="tts: model threads (default: tts.threads)")
@@ -112,8 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.what == "batch":
             from bench import batch
 
-            sessions = tuple(int(n) for n in args.sessions.split(","))
+            sessions = tuple(int(n) for n in (args.sessions or "1,2,4,8").split(","))
             return batch.run(settings, args.max_new_tokens, args.json_path, sessions)
+        if args.what == "e2e":
+            from bench import e2e
+
+            return e2e.run(settings, tuple(int(n) for n in (args.sessions or "1,4").split(",")), args.turns,
+                           args.json_path, args.out)
         from bench import turn
 
         return turn.run(settings, args.turns, args.json_path)
