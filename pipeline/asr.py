@@ -2,14 +2,18 @@
 
 `UtteranceSegmenter` watches a growing 16 kHz stream: speech has started once
 `speech_start_ms` of it is heard, and an utterance closes once `end_of_speech_silence_ms`
-of silence follows it. `Transcriber` turns an utterance (closed, or still open for a
-partial result) into text and word timings in the stream's timeline. `pipeline.asr_stream`
-puts the two together into partial and final transcripts.
+of silence follows it. Sooner, once `voice_start_ms` of voice is heard, it reports the voice
+(`VoiceStarted`: maybe speech, maybe a cough or a noise), and if that voice stops before it
+becomes an utterance, its end (`VoiceEnded`), so that a live avatar can pause at once when
+the user may be speaking over it and resume when it was noise. `Transcriber` turns an
+utterance (closed, or still open for a partial result) into text and word timings in the
+stream's timeline. `pipeline.asr_stream` puts the two together into partial and final
+transcripts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -49,6 +53,10 @@ class AsrOptions:
     without_timestamps: bool = True
     vad_threshold: float = 0.5
     speech_start_ms: int = 200  # speech heard for this long starts an utterance (shorter blips are ignored)
+    # Voice heard for this long (the first to the last window at or above vad_threshold) is reported
+    # at once as VOICE_STARTED, before it is known to be speech: the gateway pauses a speaking avatar
+    # on it. 64: two Silero windows (a single 32 ms window above the threshold is often a click).
+    voice_start_ms: int = 64
     # Silence after speech for this long closes the utterance. 150 ms is brisk (Pipecat's VAD
     # waits 0.8 s, LiveKit 0.5 s) and is what puts the final within 300 ms of the end of
     # speech; a pause inside a sentence may close an utterance early, and the gateway then
@@ -56,7 +64,8 @@ class AsrOptions:
     # (docs/benchmarks.md counts the splits).
     end_of_speech_silence_ms: int = 150
     # The VAD looks at new audio this often (each 32 ms window is computed once, so checks are
-    # cheap); a client sending 20 ms chunks gets its end of speech seen within one window.
+    # cheap): at the first chunk that crosses each multiple of it in the stream, so a client sending
+    # 20 ms chunks gets each window looked at as soon as it is whole (its end of speech, its voice).
     vad_check_every_ms: int = 32
     partial_every_ms: int = 200  # re-transcribe the open utterance after this much new audio
     agreement_n: int = 2  # LocalAgreement-n: hypotheses that must agree before a word is committed
@@ -99,6 +108,25 @@ class Utterance:
 class Transcript:
     text: str
     words: tuple[Word, ...]
+
+
+@dataclass(frozen=True)
+class VoiceStarted:
+    """The VAD has heard `voice_start_ms` of voice: maybe speech, maybe a cough or a noise."""
+
+    speech_start_s: float  # where the voice began, in the stream's timeline
+    heard_s: float  # how much of the stream had been heard when it was detected
+
+
+@dataclass(frozen=True)
+class VoiceEnded:
+    """The voice of the last `VoiceStarted` stopped (`end_of_speech_silence_ms` of silence) before
+    it became an utterance: no SpeechStarted for it, no transcript."""
+
+    heard_s: float  # how much of the stream had been heard when its end was detected
+
+
+VoiceEvent = VoiceStarted | VoiceEnded
 
 
 class SileroProbabilities:
@@ -164,18 +192,84 @@ def speech_spans(probs: np.ndarray, audio_samples: int, threshold: float, min_sp
     return spans
 
 
+class VoiceTracker:
+    """Voice spans of a stream, window by window, delimited as `speech_spans` delimits speech:
+    a span starts at a window at or above the threshold and closes where `end_of_speech_silence_ms`
+    below `threshold - 0.15` has followed it, so a span that becomes an utterance is one of them.
+
+    A span is reported (`VoiceStarted`) once its voice, from its first to its last window at or
+    above the threshold, lasts `voice_start_ms`; a reported span that closes without becoming an
+    utterance is reported again (`VoiceEnded`). Each window is looked at once.
+    """
+
+    def __init__(self, options: AsrOptions) -> None:
+        self.threshold = options.vad_threshold
+        self.negative = max(options.vad_threshold - 0.15, 0.01)  # as speech_spans
+        self.voice_start = SAMPLE_RATE_HZ * options.voice_start_ms / 1000
+        self.min_silence = SAMPLE_RATE_HZ * options.end_of_speech_silence_ms / 1000
+        self.windows = 0  # the stream's windows looked at so far
+        self._reset()
+
+    def _reset(self) -> None:
+        self.start: int | None = None  # stream sample of the open span's first voiced window
+        self._voiced_end = 0  # stream sample where its last voiced window ends
+        self._silence_from: int | None = None
+        self._reported = False
+        self._utterance = False  # an utterance begins inside the span
+
+    def update(self, probs: np.ndarray, first_window: int, utterance_starts: Sequence[int],
+               heard_s: float) -> list[VoiceEvent]:
+        """Look at the windows not seen yet of `probs` (the probabilities from the stream's window
+        `first_window` on). `utterance_starts`: stream samples where the segmenter's utterances,
+        closed or open, begin in these windows; a span holding one is an utterance's."""
+        events: list[VoiceEvent] = []
+        for i in range(max(0, self.windows - first_window), probs.size):
+            p, at = float(probs[i]), (first_window + i) * VAD_WINDOW
+            if p >= self.threshold:
+                if self.start is None:
+                    self.start = at
+                self._silence_from, self._voiced_end = None, at + VAD_WINDOW
+            elif self.start is not None and p < self.negative:
+                self._silence_from = at if self._silence_from is None else self._silence_from
+                if at - self._silence_from >= self.min_silence:
+                    self._utterance |= any(self.start <= u < at for u in utterance_starts)
+                    if self._reported and not self._utterance:
+                        events.append(VoiceEnded(heard_s))
+                    self._reset()
+                    continue
+            if self.start is None:
+                continue
+            self._utterance |= any(self.start <= u < at + VAD_WINDOW for u in utterance_starts)
+            if not self._reported and (self._voiced_end - self.start >= self.voice_start or self._utterance):
+                self._reported = True  # an utterance's voice is always reported, before its speech start
+                events.append(VoiceStarted(self.start / SAMPLE_RATE_HZ, heard_s))
+        self.windows = max(self.windows, first_window + probs.size)
+        return events
+
+    def finish(self, heard_s: float) -> list[VoiceEvent]:
+        """The stream ended: a reported voice that is no utterance's has ended with it."""
+        events: list[VoiceEvent] = [VoiceEnded(heard_s)] if self._reported and not self._utterance else []
+        self._reset()
+        return events
+
+
 class UtteranceSegmenter:
-    """Streaming end-of-speech detection with the Silero VAD that faster-whisper ships."""
+    """Streaming end-of-speech detection with the Silero VAD that faster-whisper ships.
+
+    `voice_events` holds what the last `feed` or `finish` found of the voice (`VoiceTracker`).
+    """
 
     def __init__(self, options: AsrOptions) -> None:
         self.options = options
         self._probs = SileroProbabilities()
         self._buffer = np.zeros(0, np.float32)
         self._buffer_start = 0  # sample index of _buffer[0] in the stream
-        self._unchecked = 0
+        self._checked_to = 0  # the stream sample the last VAD check's multiple of vad_check_every_ms reached
         self._index = 0
         self._open: list[dict] = []  # Silero spans of the utterance still open, in buffer samples
         self.speech_active = False
+        self.voice = VoiceTracker(options)
+        self.voice_events: list[VoiceEvent] = []
 
     @property
     def silence_after_s(self) -> float:
@@ -188,15 +282,19 @@ class UtteranceSegmenter:
 
     def feed(self, samples: np.ndarray) -> list[Utterance]:
         self._buffer = np.concatenate([self._buffer, samples])
-        self._unchecked += samples.size
-        if self._unchecked < self.options.vad_check_every_ms * SAMPLE_RATE_HZ // 1000:
+        self.voice_events = []
+        every = max(1, self.options.vad_check_every_ms * SAMPLE_RATE_HZ // 1000)
+        crossed = (self._buffer_start + self._buffer.size - self._checked_to) // every
+        if not crossed:
             return []
-        self._unchecked = 0
+        self._checked_to += crossed * every
         return self._scan(final=False)
 
     def finish(self) -> list[Utterance]:
-        """The stream ended: whatever speech is open closes now."""
-        return self._scan(final=True)
+        """The stream ended: whatever speech is open closes now (and a voice that is not speech ends)."""
+        closed = self._scan(final=True)
+        self.voice_events += self.voice.finish(self.stream_s)
+        return closed
 
     def open_utterance(self) -> Utterance | None:
         """The utterance still being spoken, as heard so far (for partial results).
@@ -224,8 +322,12 @@ class UtteranceSegmenter:
         each span but the last is a whole utterance already.
         """
         o = self.options
-        spans = speech_spans(self._probs.extend(self._buffer), self._buffer.size, o.vad_threshold,
-                             o.speech_start_ms, o.end_of_speech_silence_ms)
+        probs = self._probs.extend(self._buffer)
+        spans = speech_spans(probs, self._buffer.size, o.vad_threshold, o.speech_start_ms, o.end_of_speech_silence_ms)
+        if spans and spans[-1]["end"] == self._buffer.size and not self._is_speech(spans[-1], probs):
+            spans.pop()  # still open and not yet speech_start_ms long (a blip, or speech about to start)
+        self.voice_events = self.voice.update(probs, self._buffer_start // VAD_WINDOW,
+                                              [self._buffer_start + s["start"] for s in spans], self.stream_s)
         if not spans:
             self._open, self.speech_active = [], False
             self._forget_silence()
@@ -246,6 +348,20 @@ class UtteranceSegmenter:
         if spans:
             spans[-1]["end"] = self._last_speech_end(spans[-1])
         return closed
+
+    def _is_speech(self, span: dict, probs: np.ndarray) -> bool:
+        """Whether an open span is longer than `speech_start_ms`, measured as a closed one is: to
+        where the silence after its last voice began (if it has), not to the end of the buffer
+        (`speech_spans` counts an open span's silence too, so a 60 ms cough followed by 150 ms
+        of silence would count as 200 ms of speech)."""
+        voiced_to = probs.size * VAD_WINDOW  # the end of the last whole window
+        negative = max(self.options.vad_threshold - 0.15, 0.01)
+        for i in range(span["start"] // VAD_WINDOW, probs.size):
+            if probs[i] >= self.options.vad_threshold:
+                voiced_to = probs.size * VAD_WINDOW
+            elif probs[i] < negative and voiced_to == probs.size * VAD_WINDOW:
+                voiced_to = i * VAD_WINDOW
+        return voiced_to - span["start"] > SAMPLE_RATE_HZ * self.options.speech_start_ms / 1000
 
     def _last_speech_end(self, span: dict) -> int:
         """Where the open utterance's speech really stopped, in buffer samples.
@@ -274,10 +390,15 @@ class UtteranceSegmenter:
         return utterance
 
     def _forget_silence(self) -> None:
-        """Keep only the last second of a silent buffer, so memory stays bounded."""
+        """Keep only the last second of a silent buffer, so memory stays bounded (and a voice that
+        may yet become speech whole, unless it has lasted `max_utterance_s`)."""
         keep = SAMPLE_RATE_HZ
         if self._buffer.size > 2 * keep:
-            self._drop((self._buffer.size - keep) // VAD_WINDOW)
+            windows = (self._buffer.size - keep) // VAD_WINDOW
+            voice_from = self.voice.start
+            if voice_from is not None and self.stream_s - voice_from / SAMPLE_RATE_HZ < self.options.max_utterance_s:
+                windows = min(windows, max(0, voice_from - self._buffer_start) // VAD_WINDOW)
+            self._drop(windows)
 
     def _drop(self, windows: int) -> None:
         """Forget the buffer's first `windows` VAD windows (whole windows keep the probabilities aligned)."""

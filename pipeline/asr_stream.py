@@ -23,7 +23,20 @@ from itertools import takewhile
 
 import numpy as np
 
-from pipeline.asr import AsrOptions, Transcriber, Utterance, UtteranceSegmenter, Word, join_words
+from pipeline.asr import (
+    AsrOptions,
+    Transcriber,
+    Utterance,
+    UtteranceSegmenter,
+    VoiceEnded,
+    VoiceEvent,
+    VoiceStarted,
+    Word,
+    join_words,
+)
+
+__all__ = ["AsrEvent", "FinalTranscript", "LocalAgreement", "PartialTranscript", "SpeechStarted",
+           "StreamingRecognizer", "VoiceEnded", "VoiceStarted", "join_words", "normalised_text", "spoken_words"]
 
 # Whisper's word timings jitter; a word starting this early before the last committed
 # word's end is still taken as new (the paper uses the same 0.1 s slack).
@@ -164,11 +177,16 @@ class FinalTranscript:
         return join_words(self.words)
 
 
-AsrEvent = SpeechStarted | PartialTranscript | FinalTranscript
+# In stream order: VoiceStarted comes before the SpeechStarted of the same speech; a voice that
+# never becomes an utterance gets VoiceEnded instead, and one that does never gets it.
+AsrEvent = VoiceStarted | VoiceEnded | SpeechStarted | PartialTranscript | FinalTranscript
 
 
 class StreamingRecognizer:
     """VAD, partial passes and LocalAgreement over one audio stream; blocking (a model thread).
+
+    The VAD's voice events (`VoiceStarted`, `VoiceEnded`) come first, at the VAD check that
+    finds them (every `vad_check_every_ms`), before speech has started.
 
     A partial pass runs when `partial_every_ms` of new audio has arrived since the last one
     while the user speaks, and once when `final_reuse_margin_ms` of silence follows the
@@ -189,11 +207,13 @@ class StreamingRecognizer:
     def feed(self, samples: np.ndarray) -> list[AsrEvent]:
         was_active = self.segmenter.speech_active
         closed = self.segmenter.feed(samples)
-        events: list[AsrEvent] = []
+        before, after = _voice_around(self.segmenter.voice_events, closed)
+        events: list[AsrEvent] = [*before]
         open_utterance = self.segmenter.open_utterance()
         if not was_active and closed:
             events.append(SpeechStarted(closed[0].index, self.segmenter.stream_s))
         events += [self._final(u) for u in closed]
+        events += after
         if open_utterance is not None and (closed or not was_active):  # a new utterance has begun
             events.append(SpeechStarted(open_utterance.index, self.segmenter.stream_s))
         if open_utterance is not None and self._pass_due(open_utterance):
@@ -201,8 +221,13 @@ class StreamingRecognizer:
         return events
 
     def finish(self) -> list[AsrEvent]:
-        """The stream ended: the open utterance (if any) gets its final now."""
-        return [self._final(u) for u in self.segmenter.finish()]
+        """The stream ended: the open utterance (if any) gets its final now; a voice that was not
+        speech gets its VoiceEnded."""
+        was_active = self.segmenter.speech_active
+        closed = self.segmenter.finish()
+        before, after = _voice_around(self.segmenter.voice_events, closed)
+        started = [SpeechStarted(closed[0].index, self.segmenter.stream_s)] if closed and not was_active else []
+        return [*before, *started, *(self._final(u) for u in closed), *after]
 
     def _pass_due(self, utterance: Utterance) -> bool:
         """A pass once `partial_every_ms` of new audio has come while the user speaks. Once the VAD
@@ -247,3 +272,15 @@ class StreamingRecognizer:
         final = FinalTranscript(utterance, tuple(self.agreement.finish(words)), reused_partial=reuse)
         self._pass_index = -1
         return final
+
+
+def _voice_around(voice: list[VoiceEvent], closed: list[Utterance]) -> tuple[list[VoiceEvent], list[VoiceEvent]]:
+    """The voice events of one VAD check split into those before and after the utterances it
+    closed: from the first voice begun after the last closed utterance's speech on, they come
+    after its final (only a check over more than ~200 ms of audio sees both)."""
+    if not closed:
+        return voice, []
+    end_s = closed[-1].speech_end_s
+    at = next((i for i, e in enumerate(voice) if isinstance(e, VoiceStarted) and e.speech_start_s >= end_s),
+              len(voice))
+    return voice[:at], voice[at:]

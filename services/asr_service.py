@@ -1,4 +1,4 @@
-"""The asr gRPC service: a stream of audio in; speech-start, partial and final transcripts out."""
+"""The asr gRPC service: a stream of audio in; voice and speech starts, partial and final transcripts out."""
 
 from __future__ import annotations
 
@@ -9,15 +9,24 @@ import grpc
 import numpy as np
 
 from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber
-from pipeline.asr_stream import AsrEvent, PartialTranscript, SpeechStarted, StreamingRecognizer, join_words
+from pipeline.asr_stream import (
+    AsrEvent,
+    PartialTranscript,
+    SpeechStarted,
+    StreamingRecognizer,
+    VoiceEnded,
+    VoiceStarted,
+    join_words,
+)
 from pipeline.audio import AudioStreamReader, PcmFormat, PcmStreamDecoder
 from services.grpc_server import ModelWorker, StageClock, serve, status_on_error
-from services.protos import load
+from services.protos import load, load_common
 from services.redis_store import SessionStore, now_ms
 from services.runtime import open_redis
 from services.settings import Settings
 
 pb, pb_grpc = load("asr")
+common = load_common()  # AudioFormat, Word, StageTimes (specvox.common.v1)
 Kind = pb.TranscriptEvent.Kind
 END = object()
 
@@ -25,7 +34,7 @@ END = object()
 class WireAudioDecoder:
     """The stream's audio bytes, in their declared framing, as mono float32 at 16 kHz."""
 
-    def __init__(self, fmt: pb.AudioFormat) -> None:
+    def __init__(self, fmt: common.AudioFormat) -> None:
         declared = PcmFormat(fmt.sample_rate_hz, fmt.channels or 1, fmt.sample_width_bytes or 2)
         self.reader = AudioStreamReader(fmt.encoding, declared)
         self._decoder: PcmStreamDecoder | None = None
@@ -103,6 +112,11 @@ async def _take_all(chunks: asyncio.Queue) -> tuple[bytes, bool]:
 
 def _event(clock: StageClock, event: AsrEvent) -> pb.TranscriptEvent:
     clock.emitted()
+    if isinstance(event, VoiceStarted):  # speech_start_s: where the voice began in the stream's audio
+        return pb.TranscriptEvent(kind=Kind.VOICE_STARTED, speech_start_s=event.speech_start_s,
+                                  heard_s=event.heard_s, emitted_unix_ms=now_ms())
+    if isinstance(event, VoiceEnded):
+        return pb.TranscriptEvent(kind=Kind.VOICE_ENDED, heard_s=event.heard_s, emitted_unix_ms=now_ms())
     if isinstance(event, SpeechStarted):
         return pb.TranscriptEvent(kind=Kind.SPEECH_STARTED, speech_start_s=event.heard_s,
                                   utterance_index=event.utterance_index, heard_s=event.heard_s,
@@ -120,12 +134,12 @@ def _event(clock: StageClock, event: AsrEvent) -> pb.TranscriptEvent:
         kind=Kind.FINAL, text=event.text, words=_words(event.words), committed_text=event.text,
         stability=1.0, committed_words=len(event.words),
         speech_start_s=utterance.speech_start_s, speech_end_s=utterance.speech_end_s,
-        utterance_index=utterance.index, emitted_unix_ms=now_ms(), times=clock.to_proto(pb.StageTimes),
+        utterance_index=utterance.index, emitted_unix_ms=now_ms(), times=clock.to_proto(common.StageTimes),
     )
 
 
-def _words(words) -> list[pb.Word]:
-    return [pb.Word(text=w.text, start_s=w.start_s, end_s=w.end_s, probability=w.probability) for w in words]
+def _words(words) -> list[common.Word]:
+    return [common.Word(text=w.text, start_s=w.start_s, end_s=w.end_s, probability=w.probability) for w in words]
 
 
 async def _first_config(request_iterator) -> pb.StreamConfig:

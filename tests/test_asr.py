@@ -17,6 +17,9 @@ from pipeline.asr import (
     SileroProbabilities,
     Transcriber,
     UtteranceSegmenter,
+    VoiceEnded,
+    VoiceStarted,
+    VoiceTracker,
     speech_spans,
 )
 from pipeline.asr_stream import spoken_words
@@ -140,6 +143,84 @@ def test_a_streams_language_must_be_one_the_model_knows(speech, transcriber):
     closed, at_end = stream(UtteranceSegmenter(AsrOptions()), speech("Thank you very much."))
     for language in ("en", ""):  # given, or left to the model
         assert _norm(transcriber.transcribe((closed + at_end)[0], language).text) == "thank you very much"
+
+
+def window_s(windows: int) -> float:
+    return windows * VAD_WINDOW / SAMPLE_RATE_HZ
+
+
+def track(probs, utterance_starts=(), options=AsrOptions(), per_check: int = 1, finish: bool = False):
+    """VoiceTracker over window probabilities, `per_check` new windows at each VAD check."""
+    tracker, probs, events = VoiceTracker(options), np.asarray(probs, np.float32), []
+    for end in range(per_check, probs.size + per_check, per_check):
+        events += tracker.update(probs[:end], 0, utterance_starts, window_s(min(end, probs.size)))
+    return events + (tracker.finish(window_s(probs.size)) if finish else [])
+
+
+def test_voice_is_reported_once_two_windows_are_voiced_and_its_end_once_silence_closes_it():
+    quiet = [0.0] * 8
+    assert track([0.0, 0.9, 0.1, *quiet]) == []  # one 32 ms window: a click, not voice_start_ms of voice
+    # two voiced windows: reported when the second is heard; closed by 150 ms below 0.35 (the 6th
+    # silent window's start is 160 ms after the silence began, as speech_spans closes a span)
+    assert track([0.0, 0.9, 0.9, *quiet]) == [VoiceStarted(window_s(1), window_s(3)), VoiceEnded(window_s(9))]
+    # a window between the thresholds neither ends the voice nor adds to it; 96 ms of silence joins two halves
+    assert track([0.9, 0.4, 0.9, 0.1, 0.1, 0.1, 0.9, *quiet]) == [VoiceStarted(0.0, window_s(3)),
+                                                                    VoiceEnded(window_s(13))]
+    assert track([0.9, 0.9, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.9, 0.9]) == [
+        VoiceStarted(0.0, window_s(2)), VoiceEnded(window_s(8)), VoiceStarted(window_s(8), window_s(10))]
+    assert track([0.9, 0.9, 0.9], finish=True)[-1] == VoiceEnded(window_s(3))  # the stream ended inside it
+    assert track([0.9, 0.9, 0.9], options=AsrOptions(voice_start_ms=96)) == [VoiceStarted(0.0, window_s(3))]
+
+
+def test_the_voice_of_an_utterance_is_reported_first_and_never_ended():
+    starts = [VAD_WINDOW]  # an utterance (as the segmenter found it) begins with the voice: reported at once
+    assert track([0.0, 0.9, 0.9, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], starts) == [VoiceStarted(window_s(1), window_s(2))]
+    assert track([0.0, 0.9, 0.9, 0.0], starts, finish=True) == [VoiceStarted(window_s(1), window_s(2))]
+    # a check that sees all of it at once: the voice first, its end never, whatever the voice_start_ms
+    events = track([0.0, 0.9, *[0.0] * 8], starts, AsrOptions(voice_start_ms=500), per_check=10)
+    assert events == [VoiceStarted(window_s(1), window_s(10))]
+
+
+def test_voice_spans_are_the_spans_speech_is_found_in():
+    """On random probabilities, seen a few windows per check: every span speech_spans finds (any
+    length) with voice_start_ms of voice is reported once, and ended unless it holds speech."""
+    rng = np.random.default_rng(3)
+    options = AsrOptions()
+    for _ in range(200):
+        levels = rng.choice([0.02, 0.4, 0.9], size=rng.integers(5, 60), p=[0.5, 0.1, 0.4])
+        probs = np.repeat(levels, rng.integers(1, 5, levels.size)).astype(np.float32)
+        size = probs.size * VAD_WINDOW
+        utterances = [s["start"] for s in speech_spans(probs, size, 0.5, options.speech_start_ms, 150)]
+        events = track(probs, utterances, options, per_check=int(rng.integers(1, 5)), finish=True)
+        expected = []
+        for span in speech_spans(probs, size, 0.5, 0, 150):
+            span_windows = probs[span["start"] // VAD_WINDOW : span["end"] // VAD_WINDOW]
+            last_voiced = span["start"] + (np.flatnonzero(span_windows >= 0.5)[-1] + 1) * VAD_WINDOW
+            if span["start"] in utterances or last_voiced - span["start"] >= 1024:
+                expected.append(("started", span["start"] / SAMPLE_RATE_HZ))
+                if span["start"] not in utterances:
+                    expected.append(("ended", None))
+        got = [("started", e.speech_start_s) if isinstance(e, VoiceStarted) else ("ended", None) for e in events]
+        assert got == expected, (probs.tolist(), utterances)
+
+
+def test_a_clipped_word_and_its_silence_are_voice_not_speech(speech):
+    """150 ms of a word: six voiced windows, and Silero's own trailing windows; followed by silence.
+    Measured to where its silence began (as a closed span is), it is not speech_start_ms long, so no
+    utterance opens (counting the silence of a still-open span, as speech_spans does, it would)."""
+    word = speech("Yeah")
+    begin = int(np.argmax(np.abs(word) > 0.01))
+    audio = np.concatenate([np.zeros(SAMPLE_RATE_HZ // 2, np.float32), word[begin : begin + 2400],
+                            np.zeros(SAMPLE_RATE_HZ, np.float32)])
+    segmenter = UtteranceSegmenter(AsrOptions())
+    active, voice = [], []
+    for i in range(0, audio.size, 320):  # 20 ms chunks
+        assert segmenter.feed(audio[i : i + 320]) == []
+        active.append(segmenter.speech_active)
+        voice += segmenter.voice_events
+    assert segmenter.finish() == [] and not any(active)
+    assert [type(e) for e in voice] == [VoiceStarted, VoiceEnded]
+    assert 0.5 <= voice[0].speech_start_s < 0.6 and voice[0].heard_s < 0.65
 
 
 def _norm(text: str) -> str:

@@ -16,6 +16,8 @@ from pipeline.asr_stream import (
     PartialTranscript,
     SpeechStarted,
     StreamingRecognizer,
+    VoiceEnded,
+    VoiceStarted,
     normalised_text,
     spoken_words,
 )
@@ -229,3 +231,89 @@ def test_the_last_hypothesis_ends_the_utterance_without_its_words_twice():
     agreement.update(words("good morning"))
     agreement.update(words("good morning to you"))
     assert texts(agreement.finish()) == ["good", "morning", "to", "you"]
+
+
+def speech_onset_s(audio: np.ndarray, level: float = 0.01) -> float:
+    """Where speech really begins in the audio: the first 5 ms whose RMS reaches `level` (-40 dBFS)."""
+    frames = audio[: audio.size // 80 * 80].reshape(-1, 80)
+    return float(np.argmax(np.sqrt((frames**2).mean(axis=1)) >= level)) * 80 / SAMPLE_RATE_HZ
+
+
+@pytest.mark.parametrize("voice", ["speech", "espeak"])
+@pytest.mark.parametrize("chunk_ms", [20, 100])
+def test_voice_is_reported_soon_after_speech_begins_and_before_speech_starts(request, transcriber, voice, chunk_ms):
+    """VoiceStarted comes at the first VAD check after voice_start_ms (two Silero windows) of voice:
+    measured 64-195 ms after the speech's first sound in the audio (p95 ~150 ms with 20 ms chunks,
+    ~190 ms with 100 ms chunks), where SpeechStarted needs speech_start_ms (~100-160 ms later)."""
+    audio = request.getfixturevalue(voice)("Can you recommend a good book for a long train ride?")
+    onset_s = speech_onset_s(audio)
+    events = stream(StreamingRecognizer(AsrOptions(), transcriber), audio, chunk_s=chunk_ms / 1000)
+    kinds = [type(e) for e in events]
+    assert kinds[:2] == [VoiceStarted, SpeechStarted] and kinds[-1] is FinalTranscript
+    assert kinds.count(VoiceStarted) == 1 and VoiceEnded not in kinds  # one voice, and it became the utterance
+    voice_started, speech_started = events[0], events[1]
+    assert -0.05 <= voice_started.speech_start_s - onset_s <= 0.1  # where the VAD's first voiced window is
+    delay_s = voice_started.heard_s - onset_s
+    assert 0.0 < delay_s <= 0.2 + (chunk_ms - 20) / 1000, delay_s  # the gateway's goal: a pause within 250 ms
+    assert speech_started.heard_s - voice_started.heard_s >= 0.09
+    assert finals(events)[0].utterance.speech_start_s == pytest.approx(voice_started.speech_start_s, abs=1e-9)
+
+
+def clipped(audio: np.ndarray, ms: int) -> np.ndarray:
+    """The first `ms` of the speech in `audio`: a word cut off, as a cough or a false start sounds to a VAD."""
+    start = round(speech_onset_s(audio) * SAMPLE_RATE_HZ)
+    return audio[start : start + ms * SAMPLE_RATE_HZ // 1000]
+
+
+@pytest.mark.parametrize("voice", ["speech", "espeak"])
+@pytest.mark.parametrize(("word", "ms"), [("Yeah", 60), ("No", 100), ("Hello", 150)])
+@pytest.mark.parametrize("chunk_ms", [20, 100])
+def test_a_burst_of_voice_starts_and_ends_without_an_utterance(request, transcriber, voice, word, ms, chunk_ms):
+    gap = np.zeros(SAMPLE_RATE_HZ // 2, np.float32)
+    audio = np.concatenate([gap, clipped(request.getfixturevalue(voice)(word), ms), gap, gap])
+    events = stream(StreamingRecognizer(AsrOptions(), transcriber), audio, chunk_s=chunk_ms / 1000)
+    assert [type(e) for e in events] == [VoiceStarted, VoiceEnded]
+    started, ended = events
+    assert 0.0 < started.heard_s - 0.5 <= 0.1 + chunk_ms / 1000  # within the burst, or the chunk that ends it
+    # its end: end_of_speech_silence_ms after the voice stopped (Silero trails the sound by a window or two)
+    assert 0.15 <= ended.heard_s - 0.5 - ms / 1000 <= 0.3 + chunk_ms / 1000
+
+
+def test_noise_gives_no_voice(transcriber):
+    rng = np.random.default_rng(1)
+    gap = np.zeros(SAMPLE_RATE_HZ // 2, np.float32)
+    bursts = [rng.normal(0, 0.3, n).astype(np.float32) * np.hanning(n).astype(np.float32) for n in (960, 2400, 4800)]
+    audio = np.concatenate([gap, *(np.concatenate([b, gap]) for b in bursts)])
+    assert stream(StreamingRecognizer(AsrOptions(), transcriber), audio, chunk_s=0.02) == []
+
+
+def test_voice_between_utterances_is_reported_in_stream_order(speech, transcriber):
+    """Two utterances with a cut-off word between them: each voice is reported once; the two that
+    become utterances get SpeechStarted after it and no VoiceEnded, the burst VoiceEnded."""
+    gap = np.zeros(SAMPLE_RATE_HZ // 2, np.float32)
+    audio = np.concatenate([speech("Can you recommend a good book?"), gap, clipped(speech("Yeah"), 100), gap,
+                            speech("Thank you very much.")])
+    for chunk_s in (0.02, 0.1, 0.5):  # 0.5: checks that see an utterance's end and the next voice at once
+        events = stream(StreamingRecognizer(AsrOptions(), transcriber), audio, chunk_s)
+        kinds = [type(e).__name__ for e in events if not isinstance(e, PartialTranscript)]
+        assert kinds == ["VoiceStarted", "SpeechStarted", "FinalTranscript", "VoiceStarted", "VoiceEnded",
+                         "VoiceStarted", "SpeechStarted", "FinalTranscript"], (chunk_s, kinds)
+        starts = [e.speech_start_s for e in events if isinstance(e, VoiceStarted)]
+        assert starts == sorted(starts)
+        assert [normalised_text(f.text) for f in finals(events)] == ["can you recommend a good book",
+                                                                     "thank you very much"]
+
+
+def test_voice_events_map_onto_the_asr_protos_shared_types():
+    from services.asr_service import Kind, _event, common
+    from services.grpc_server import StageClock
+
+    clock = StageClock("asr")
+    started = _event(clock, VoiceStarted(speech_start_s=1.216, heard_s=1.4))
+    assert (started.kind, started.speech_start_s, started.heard_s) == (Kind.VOICE_STARTED, 1.216, 1.4)
+    ended = _event(clock, VoiceEnded(heard_s=1.8))
+    assert (ended.kind, ended.heard_s) == (Kind.VOICE_ENDED, 1.8)
+    utterance = Utterance(0, 1.216, 2.0, np.zeros(1, np.float32))
+    final = _event(clock, FinalTranscript(utterance, tuple(words("hello there", 1.3)), reused_partial=False))
+    assert isinstance(final.words[0], common.Word) and isinstance(final.times, common.StageTimes)
+    assert final.times.first_out_unix_ms > 0 and final.text == "hello there"
