@@ -71,6 +71,23 @@ class LlmServicer(pb_grpc.LlmServicer):
             if dialogue and reply_text.strip() and not request.defer_history:
                 await self.sessions.append(request.session_id, Exchange(request.user_text, reply_text.strip()))
 
+    async def EndOfTurn(self, request, context: grpc.aio.ServicerContext):
+        """P(the user's message ends after user_text), given the session's conversation
+        (pipeline.llm.end_of_turn); on the model thread, between decode steps, never beside one."""
+        async with status_on_error(context, "llm"):
+            session = await self.sessions.require(request.session_id)
+            if not request.user_text.strip():
+                raise ValueError("user_text is empty")
+            persona = request.system_prompt or session.get("system_prompt") or DEFAULT_PERSONA
+            history = await self.sessions.history(request.session_id)
+            if getattr(self, "_end_of_turn", None) is None:  # built at the first call: a few token lookups
+                from pipeline.llm.end_of_turn import EndOfTurnScorer
+
+                self._end_of_turn = EndOfTurnScorer(self.loaded)
+            result = await self.worker.call(self._end_of_turn.score, request.user_text, persona, history)
+            return pb.EndOfTurnScore(probability=result.probability, prompt_tokens=result.prompt_tokens,
+                                     compute_ms=result.compute_ms)
+
     def _end_stream_later(self, writer: TokenStreamWriter, reason: str) -> None:
         """Write the end entry from a task of its own: this generator may be closing."""
         entry = TokenEntry(-1, (), "", 0, now_ms(), end=True, finish_reason=reason)
