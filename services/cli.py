@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                           "int4: 4-bit layer weights on a CPU, with --dtype bfloat16 (default: llm.weights)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
-    bench.add_argument("what", choices=["turn", "asr", "spec", "spec-plots", "tts", "batch", "e2e"])
+    bench.add_argument("what", choices=["turn", "asr", "spec", "spec-plots", "tts", "batch", "e2e",
+                                        "end-of-turn"])
     bench.add_argument("--drafter", default="suffix", help="spec-plots: the drafter swept over draft lengths")
     bench.add_argument("--out", default="docs", help="spec-plots, e2e: folder for the PNGs (and JSON)")
     bench.add_argument("--turns", type=int, default=8,
@@ -115,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
 
             sessions = tuple(int(n) for n in (args.sessions or "1,2,4,8").split(","))
             return batch.run(settings, args.max_new_tokens, args.json_path, sessions)
+        if args.what == "end-of-turn":
+            from bench import end_of_turn
+
+            return end_of_turn.run(settings, args.json_path)
         if args.what == "e2e":
             from bench import e2e
 

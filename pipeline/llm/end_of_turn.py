@@ -48,7 +48,7 @@ DEFAULT_NORMALISATION = "marks"
 # The policy measured by `specvox bench end-of-turn` (docs/benchmarks.md): when an utterance closes,
 # the turn is complete if the score is at least COMPLETE_THRESHOLD; otherwise wait up to
 # INCOMPLETE_WAIT_MS more silence for the user to go on before ending it anyway.
-COMPLETE_THRESHOLD = 0.003
+COMPLETE_THRESHOLD = 0.03
 INCOMPLETE_WAIT_MS = 700
 # History kept for the score, as LiveKit's detector does: the last few exchanges, at most this many tokens.
 MAX_HISTORY_EXCHANGES = 3
@@ -140,13 +140,11 @@ class EndOfTurnScorer:
         return float(torch.exp(first[marks] + after).sum())
 
     def _forward(self, ids: torch.Tensor, cache: Any) -> tuple[torch.Tensor, Any]:
-        """Float32 logits of the last position of each row [B, V], and the grown KV cache."""
-        lean = self.loaded.lean
-        if lean is not None:
-            out = lean(ids, cache=cache, logits_to_keep=1)
-            return out.logits[:, -1].float(), out.cache
-        out = self.loaded.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1].float(), out.past_key_values
+        """Logits (float32 at least) of the last position of each row [B, V], and the grown KV cache."""
+        forward: Any = self.loaded.lean or self.loaded.model  # both take transformers 5's call signature
+        out = forward(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]
+        return (logits if logits.dtype == torch.float64 else logits.float()), out.cache
 
     def _clean(self, text: str) -> str:
         """The text without the tokenizer's special tokens (a transcript must not end the message itself)."""
