@@ -13,8 +13,9 @@ tokens carry explicit position ids (their index in that row's own sequence), so 
 rotary embeddings and the attention a row sees are those of the row decoded alone
 (ragged acceptance, Leviathan et al. 2023 per row). When holes pile up the cache is
 compacted: each row's kept slots are gathered, in order, to the right. A request joins
-by a prefill of its own, left-padded to the batch's length and concatenated along the
-batch dimension; a finished or cancelled one leaves by `index_select`.
+by a prefill of its own (on its session's cached prefix, where the generator keeps one),
+left-padded to the batch's length and concatenated along the batch dimension; a finished or
+cancelled one leaves by `index_select`, its live slots gathered into the session's cache.
 
 Invariant per row, as in engine.py: the cache holds every token of the row's context but
 the last.
@@ -90,14 +91,10 @@ class BatchedDecoder:
             raise RuntimeError(f"the batch is full ({self.max_batch_size} rows)")
         self.generator.check(request)
         row = RequestDecoder(self.generator, request, should_stop)
-        prefix = row.context[:-1]
-        cache = None
-        if prefix:
-            out = self.generator.forward(input_ids=torch.tensor([prefix], device=self.loaded.device), use_cache=True,
-                                         logits_to_keep=1)
-            cache = out.cache
+        cache = self.generator.prefill(row)
+        if cache is not None:
             _require_full_attention(cache)
-        self._join(cache, len(prefix))
+        self._join(cache, len(row.context) - 1)
         self.rows.append(row)
         return row
 
@@ -186,6 +183,8 @@ class BatchedDecoder:
     def _leave(self, indices: list[int]) -> None:
         if not indices:
             return
+        for i in indices:
+            self._remember(i)
         gone = set(indices)
         stay = [i for i in range(len(self.rows)) if i not in gone]
         self.rows = [self.rows[i] for i in stay]
@@ -199,6 +198,20 @@ class BatchedDecoder:
                 layer.keys = layer.keys.index_select(0, index)
                 layer.values = layer.values.index_select(0, index)
         self._maybe_compact()
+
+    def _remember(self, i: int) -> None:
+        """Hand row i's keys and values (its live slots, in order) to the generator's prefix cache."""
+        row = self.rows[i]
+        if not (self.generator.prefix_cache.sessions and row.request.session_key) or self.cache is None:
+            return
+        from transformers import DynamicCache
+
+        live = self.kept[i].nonzero().squeeze(1)
+        cache = DynamicCache(config=self.loaded.model.config)
+        for index, layer in enumerate(self.cache.layers):
+            cache.update(layer.keys[i : i + 1].index_select(2, live), layer.values[i : i + 1].index_select(2, live),
+                         index)
+        self.generator.remember(row, cache)
 
     def _maybe_compact(self) -> None:
         """Gather each row's live slots, in order, to the right end of a shorter cache."""

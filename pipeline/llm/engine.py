@@ -7,6 +7,8 @@ pipeline/llm/sampling.py) and rolls the KV cache back over the rejected tail. Wi
 Consumers (the Redis token stream, the gRPC reply) see only steps of verified tokens.
 
 Invariant of the loop: the target's cache holds every token of `context` but the last.
+A request with a session key starts from that session's cached prefix where it has one
+(pipeline/llm/prefix_cache.py) and leaves its own cache there when it ends.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pipeline.llm.budget import CostMeter
 from pipeline.llm.detokenize import IncrementalDetokenizer
 from pipeline.llm.draft_length import DraftLengthController, MatchAcceptance, VerifyCost
 from pipeline.llm.drafters import (
@@ -41,6 +44,7 @@ from pipeline.llm.model import (
     quantized_self_draft,
     rollback,
 )
+from pipeline.llm.prefix_cache import PrefixCache
 from pipeline.llm.prompts import PromptTooLongError
 from pipeline.llm.sampling import (
     SamplingOptions,
@@ -65,6 +69,7 @@ class DecodeStep:
     finish_reason: str | None = None  # "eos", "length", "stop" or "cancelled" on the last step
     drafted: int = 0  # γ: tokens the drafter proposed for this step
     stats: GenerationStats | None = None  # on the last step
+    prefix_cached_tokens: int = 0  # on the first step: prompt tokens whose keys and values were cached
 
     @property
     def accepted(self) -> int:
@@ -80,7 +85,7 @@ class GenerationRequest:
     max_draft_tokens: int = 8
     adaptive_draft: bool = True
     stop_strings: tuple[str, ...] = ()
-    session_key: str = ""  # lets the suffix drafter remember what this session said
+    session_key: str = ""  # lets the suffix drafter remember what this session said, and the prefix cache its KV
 
 
 @dataclass
@@ -96,6 +101,9 @@ class GenerationStats:
     target_s: float = 0.0
     draft_s: float = 0.0
     predicted_speedup_sum: float = 0.0
+    prompt_tokens: int = 0
+    prefix_cached_tokens: int = 0  # of the prompt, taken from the session's cache instead of prefilled
+    prefill_s: float = 0.0
 
     def record(self, drafted: int, accepted: int) -> None:
         self.steps += 1
@@ -131,6 +139,9 @@ class GenerationStats:
             "draft_s": round(self.draft_s, 4),
             "draft_to_target_cost": round(self.draft_s / self.target_s, 4) if self.target_s else None,
             "predicted_speedup": round(self.predicted_speedup_sum / self.steps, 4) if self.steps else None,
+            "prompt_tokens": self.prompt_tokens,
+            "prefix_cached_tokens": self.prefix_cached_tokens,
+            "prefill_s": round(self.prefill_s, 4),
         }
 
 
@@ -139,9 +150,10 @@ class Generator:
 
     def __init__(
         self, loaded: LoadedModel, draft_model: LoadedModel | None = None, early_exit_layers: int = 8,
-        static_cache: bool = False, lean: bool = True,
+        static_cache: bool = False, lean: bool = True, prefix_cache_sessions: int = 0,
     ) -> None:
-        """`lean`: run the target through `loaded.lean` where it has one (it cannot fill a static cache)."""
+        """`lean`: run the target through `loaded.lean` where it has one (it cannot fill a static cache).
+        `prefix_cache_sessions`: sessions whose KV cache is kept between requests (not with a static cache)."""
         self.loaded = loaded
         self.static_cache = static_cache
         use_lean = lean and loaded.lean is not None and not static_cache
@@ -155,11 +167,14 @@ class Generator:
         # Learned across requests: what a verified token costs here, how often matches hold.
         self.verify_cost = VerifyCost()
         self._match_acceptance: dict[tuple[str, int], MatchAcceptance] = {}
+        self.costs = CostMeter()  # what prefills and steps take here, for the latency budget
+        self.prefix_cache = PrefixCache(0 if static_cache else prefix_cache_sessions)
 
     @classmethod
     def from_options(cls, loaded: LoadedModel, options: LlmOptions) -> Generator:
-        """The target with the configured draft model, early-exit depth and KV cache kind."""
-        return cls(loaded, load_draft_model(options, loaded), options.early_exit_layers, options.static_cache)
+        """The target with the configured draft model, early-exit depth, KV cache kind and prefix cache."""
+        return cls(loaded, load_draft_model(options, loaded), options.early_exit_layers, options.static_cache,
+                   prefix_cache_sessions=options.prefix_cache_sessions)
 
     @property
     def drafters(self) -> tuple[str, ...]:
@@ -199,6 +214,26 @@ class Generator:
             if step.stats is not None:
                 self.last_stats = step.stats
             yield step
+
+    def prefill(self, decoder: RequestDecoder, cache: Any = None) -> Any:
+        """A one-row cache holding the prompt but its last token: the session's cached prefix,
+        where it has one, plus a prefill of the rest. `cache`: where to prefill when nothing is cached."""
+        prompt = decoder.request.prompt_ids
+        cached, reused = self.prefix_cache.take(decoder.request.session_key, prompt)
+        cache = cached if cached is not None else cache
+        rest = prompt[reused:-1]
+        started = time.perf_counter()
+        if rest:
+            cache = self.forward(input_ids=torch.tensor([rest], device=self.loaded.device), cache=cache,
+                                 use_cache=True, logits_to_keep=1).cache
+            if self.loaded.device.type == "cuda":
+                torch.cuda.synchronize(self.loaded.device)
+        decoder.prefilled(reused, time.perf_counter() - started)
+        return cache
+
+    def remember(self, decoder: RequestDecoder, cache: Any) -> None:
+        """Keep a finished request's cache (every context token but the last) for its session's next one."""
+        self.prefix_cache.put(decoder.request.session_key, decoder.context[:-1], cache)
 
     def drafter_for(self, request: GenerationRequest, generator: torch.Generator | None) -> Drafter:
         if request.drafter == "ngram":
@@ -262,6 +297,7 @@ class RequestDecoder:
         self.rng = None if seed is None else torch.Generator(device=loaded.device).manual_seed(seed)
         self.drafter: Drafter = generator.drafter_for(request, self.rng)
         self.control = generator.controller_for(request, self.drafter)
+        self.costs = generator.costs
         self.context = list(request.prompt_ids)
         self.new: list[int] = []
         self.detok = IncrementalDetokenizer(loaded.tokenizer)
@@ -274,6 +310,12 @@ class RequestDecoder:
         self.draft_s = 0.0
         self.match = 0
         self.committed: list[int] = []
+        self.stats.prompt_tokens = len(request.prompt_ids)
+
+    def prefilled(self, cached_tokens: int, seconds: float) -> None:
+        """The prompt is in the cache: `cached_tokens` of it were the session's, the rest took `seconds`."""
+        self.stats.prefix_cached_tokens, self.stats.prefill_s = cached_tokens, seconds
+        self.costs.observe_prefill(len(self.request.prompt_ids) - 1 - cached_tokens, seconds)
 
     def propose(self, max_gamma: int | None = None) -> None:
         """This step's draft; `max_gamma` caps it below the request's own limit (a batch's budget)."""
@@ -324,12 +366,16 @@ class RequestDecoder:
         delta, finish = self._stop_strings(delta, finish)
         if finish is None and len(self.new) >= self.request.max_new_tokens:
             finish = "length"
-        step = DecodeStep(self.seq, tuple(tokens), delta, finish, len(self.draft))
+        step = DecodeStep(self.seq, tuple(tokens), delta, finish, len(self.draft),
+                          prefix_cached_tokens=self._first_step_cached())
         self.seq += 1
         return self.last(step) if finish else step
 
     def cancelled(self) -> DecodeStep:
-        return self.last(DecodeStep(self.seq, (), "", "cancelled"))
+        return self.last(DecodeStep(self.seq, (), "", "cancelled", prefix_cached_tokens=self._first_step_cached()))
+
+    def _first_step_cached(self) -> int:
+        return self.stats.prefix_cached_tokens if self.seq == 0 else 0
 
     def last(self, step: DecodeStep) -> DecodeStep:
         """The reply is over: let the drafter learn from it, attach the statistics."""
@@ -343,6 +389,7 @@ class RequestDecoder:
         self.stats.target_s += target_s
         if own_pass:
             self.control.verify.observe(drafted + 1, target_s)
+        self.costs.observe_step(self.drafter.name, drafted, accepted + 1, target_s + self.draft_s)
         plain_step_s = target_s / (1 + self.control.verify_cost_per_token * drafted)
         cost = (self.draft_s / drafted) / plain_step_s if drafted and not self.drafter.model_free else None
         self.control.observe(drafted, accepted, cost, self.match)
@@ -364,17 +411,17 @@ class _Run:
     """One request decoded alone, with a KV cache of its own."""
 
     def __init__(self, generator: Generator, request: GenerationRequest) -> None:
-        self.loaded, self.forward = generator.loaded, generator.forward
+        self.generator, self.loaded, self.forward = generator, generator.loaded, generator.forward
         self.decoder = RequestDecoder(generator, request)
         room = len(request.prompt_ids) + request.max_new_tokens + request.max_draft_tokens + 1
         self.cache = new_kv_cache(self.loaded.model, room, generator.static_cache)
 
     def steps(self, should_stop: Callable[[], bool]) -> Iterator[DecodeStep]:
         decoder = self.decoder
-        if len(decoder.context) > 1:
-            self._forward(decoder.context[:-1], keep_logits=1)
+        self.cache = self.generator.prefill(decoder, self.cache)
         while True:
             if should_stop():
+                self.generator.remember(decoder, self.cache)
                 yield decoder.cancelled()
                 return
             decoder.propose()
@@ -383,9 +430,11 @@ class _Run:
             decoder.verify(logits, time.perf_counter() - started)
             rollback(self.cache, len(decoder.context) - 1)  # drop the keys and values of the rejected tail
             step = decoder.emit()
-            yield step
             if step.finish_reason:
+                self.generator.remember(decoder, self.cache)  # before the yield: a caller may stop at the last step
+                yield step
                 return
+            yield step
 
     def _forward(self, tokens: list[int], keep_logits: int) -> torch.Tensor:
         ids = torch.tensor([tokens], device=self.loaded.device)

@@ -1,0 +1,102 @@
+"""Each session's KV cache kept between turns, so that a turn prefills only what is new.
+
+A dialogue prompt is the previous turn's prompt, its reply and the new user message: most
+of it was in the target's KV cache when the previous reply ended. `PrefixCache` keeps, per
+session, the token sequence a cache holds and the cache itself (one row of transformers'
+`DynamicCache`). A new request takes the longest common prefix of its prompt with that
+sequence, rolls the cache back to it (`model.rollback`, the crop that drops a rejected
+draft's tail) and prefills only the rest. Nothing needs invalidating: a history that
+changed (a reply the user cut off is recorded shorter, a preemptive turn was dropped)
+differs from the cached tokens past the change, and only what comes before it is reused.
+
+Numerics. Keys and values computed in several passes (the last prompt's prefill, the
+reply's verification passes, this suffix's prefill) are not bit for bit those of one
+prefill over the whole prompt: attention and products round differently for other pass
+shapes (on the bundled target in float32 the next-token logits moved by up to 6e-5).
+So a reply decoded on a cached prefix is lossless relative to plain decoding from the
+same cache state (speculative decoding equals it token for token), and equals the
+uncached reply wherever that rounding does not decide a token: in float32 it has not in
+the tests; in 16-bit configurations rounding of that size can. `llm.prefix_cache_sessions=0`
+makes every reply a function of its prompt alone.
+
+Memory: a cached token costs 2 · layers · kv_heads · head_dim values (46 KB for the bundled
+target in float32: 1,000 tokens ≈ 46 MB), so the sessions kept are bounded, least recently
+used dropped. `take` and `put` run on the model's thread; `reusable` only reads, from any.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.llm.model import rollback
+
+
+@dataclass
+class CachedPrefix:
+    tokens: tuple[int, ...]  # what the cache holds, position by position
+    cache: Any  # DynamicCache, [1, H, len(tokens), D] per layer
+
+
+class PrefixCache:
+    """Up to `sessions` sessions' caches, least recently used dropped; 0 keeps none."""
+
+    def __init__(self, sessions: int = 8) -> None:
+        if sessions < 0:
+            raise ValueError("prefix_cache_sessions must be 0 (off) or more")
+        self.sessions = sessions
+        self._entries: OrderedDict[str, CachedPrefix] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._entries
+
+    def reusable(self, key: str, prompt: Sequence[int]) -> int:
+        """Prompt tokens `take` would find cached for `key` now (a read: safe from another thread)."""
+        entry = self._entries.get(key) if key else None
+        return 0 if entry is None else _reusable(entry.tokens, prompt)
+
+    def take(self, key: str, prompt: Sequence[int]) -> tuple[Any, int]:
+        """(the cache rolled back to the common prefix, its length), or (None, 0).
+
+        The entry leaves the store: the request owns the cache now and `put`s back its own.
+        At most len(prompt) − 1 tokens are reused: the prompt's last token is the first
+        verification pass's input (the engine's invariant: the cache holds all but the last).
+        """
+        entry = self._entries.pop(key, None) if key else None
+        if entry is None:
+            return None, 0
+        keep = _reusable(entry.tokens, prompt)
+        if keep == 0:
+            return None, 0
+        rollback(entry.cache, keep)
+        return entry.cache, keep
+
+    def put(self, key: str, tokens: Sequence[int], cache: Any) -> None:
+        """Keep `cache`, which holds `tokens`, as `key`'s (the most recently used)."""
+        if not self.sessions or not key or not tokens or cache is None:
+            return
+        held = cache.get_seq_length()
+        if held != len(tokens):
+            raise ValueError(f"a cache of {held} positions cannot stand for {len(tokens)} tokens")
+        self._entries.pop(key, None)
+        self._entries[key] = CachedPrefix(tuple(tokens), cache)
+        while len(self._entries) > self.sessions:
+            self._entries.popitem(last=False)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _reusable(cached: Sequence[int], prompt: Sequence[int]) -> int:
+    return min(common_prefix(cached, prompt), len(prompt) - 1)
