@@ -1,26 +1,36 @@
-"""The llm gRPC service: writes each verify step to the turn's Redis stream and streams it back."""
+"""The llm gRPC service: writes each verify step to the turn's Redis stream and streams it back.
+
+A reply keeps its session's KV cache for the next one (`llm.prefix_cache_sessions`), and a
+turn with a budget that runs late is planned down before it prefills (pipeline/llm/budget.py);
+what it gave up is listed in the last step's `times.degradations`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 from collections.abc import AsyncIterator
 
 import grpc
 
 from pipeline.llm.batch import BatchedDecoder, BatchScheduler
+from pipeline.llm.budget import BudgetOptions, BudgetPolicy, Plan, PromptChoice, TurnBudget
 from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator
 from pipeline.llm.model import LoadedModel, load_model
 from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, fit_history
 from pipeline.llm.sampling import SamplingOptions
+from pipeline.models import resolve_llm
 from services.grpc_server import ModelWorker, StageClock, serve, status_on_error
-from services.protos import load
+from services.protos import load, load_common
 from services.redis_store import SessionStore, TokenEntry, TokenStreamWriter, TurnStore, now_ms
 from services.runtime import RedisContext, open_redis
 from services.settings import Settings
 
+log = logging.getLogger(__name__)
 pb, pb_grpc = load("llm")
+common = load_common()
 TASKS = {pb.ReplyRequest.CAPTION: Task.CAPTION}
 
 
@@ -37,11 +47,21 @@ class LlmServicer(pb_grpc.LlmServicer):
         # Other than 1, concurrent replies share each verification pass (BatchedDecoder checks the size).
         batch = settings.llm.max_batch_size
         self.scheduler = BatchScheduler(BatchedDecoder(self.generator, batch), self.worker.call) if batch != 1 else None
+        self.policy = BudgetPolicy(BudgetOptions(degraded_max_new_tokens=settings.llm.degraded_max_new_tokens,
+                                                 degraded_max_draft_tokens=settings.llm.degraded_max_draft_tokens))
 
     def _steps(self, generation: GenerationRequest, should_stop) -> AsyncIterator[DecodeStep]:
         if self.scheduler is not None:
             return self.scheduler.steps(generation, should_stop)
         return self.worker.iterate(self.generator.steps(generation, should_stop))
+
+    async def Capabilities(self, request, context: grpc.aio.ServicerContext):
+        """What a caller may ask for: the drafters, the defaults, the context and the model as it runs."""
+        options = self.settings.llm
+        ref = resolve_llm(options.model)
+        return pb.ServiceCapabilities(drafters=list(self.generator.drafters), default_drafter=options.drafter,
+                                      max_new_tokens=options.max_new_tokens, context_tokens=self.loaded.context_tokens,
+                                      model=ref.gguf_file or ref.name_or_path, weights=self.loaded.weights)
 
     async def Reply(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator:
         clock = StageClock("llm")
@@ -49,7 +69,7 @@ class LlmServicer(pb_grpc.LlmServicer):
         async with status_on_error(context, "llm"):
             session = await self.sessions.require(request.session_id)
             await self.turns.require(request.turn_id, request.session_id)
-            generation = await self._generation_request(request, session)
+            generation, plan = await self._generation_request(request, session)
             cancelled = threading.Event()
             context.add_done_callback(lambda _: cancelled.set())
             writer = TokenStreamWriter(self.redis.client, request.turn_id, self.settings.token_stream_ttl_s)
@@ -60,7 +80,7 @@ class LlmServicer(pb_grpc.LlmServicer):
                     reply_text += step.text_delta
                     await writer.append(_entry(step))
                     ended = step.finish_reason is not None
-                    yield _reply_step(step, clock)
+                    yield _reply_step(step, clock, plan.degradations)
             except (asyncio.CancelledError, GeneratorExit):
                 reason = "cancelled"
                 raise
@@ -95,29 +115,44 @@ class LlmServicer(pb_grpc.LlmServicer):
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _generation_request(self, request, session: dict[str, str]) -> GenerationRequest:
+    async def _generation_request(self, request, session: dict[str, str]) -> tuple[GenerationRequest, Plan]:
+        """The request to decode, as planned against the turn's budget."""
         if not request.user_text.strip():
             raise ValueError("user_text is empty")
         if not request.turn_id:
             raise ValueError("turn_id is empty")
         task = TASKS.get(request.task, Task.DIALOGUE)
         history = await self.sessions.history(request.session_id) if task is Task.DIALOGUE else ()
-        max_new = request.max_new_tokens or self.settings.llm.max_new_tokens
-        prompt_ids = fit_history(
-            self.loaded.tokenizer,
-            task,
-            request.user_text,
-            session.get("system_prompt") or DEFAULT_PERSONA,
-            history,
-            self.loaded.context_tokens - max_new,
-        )
+        persona = request.system_prompt or session.get("system_prompt") or DEFAULT_PERSONA
         options = self.settings.llm
+        asked = Plan(request.drafter or options.drafter, request.max_new_tokens or options.max_new_tokens,
+                     options.max_draft_tokens)
+        budget = _budget(request)
+        prompts = self._prompts(task, request.user_text, persona, history, asked.max_new_tokens,
+                                budget.deadline_unix_ms != 0)
+        key = request.session_id
+        choices = tuple(PromptChoice(kept, len(ids) - self.generator.prefix_cache.reusable(key, ids))
+                        for kept, ids in prompts)
+        plan = self.policy.plan(budget, asked, choices, self.generator.costs.costs())
+        if plan.degradations:
+            log.info("turn %s: %.0f ms left, first phrase needs ~%.0f ms: %s", request.turn_id, plan.time_left_ms,
+                     plan.estimate_ms, ", ".join(plan.degradations))
         generation = GenerationRequest(
-            tuple(prompt_ids), max_new, request.drafter or options.drafter, _sampling(request.sampling),
-            max_draft_tokens=options.max_draft_tokens, adaptive_draft=options.adaptive_draft,
-            stop_strings=tuple(request.stop), session_key=request.session_id)
+            tuple(prompts[plan.prompt][1]), plan.max_new_tokens, plan.drafter, _sampling(request.sampling),
+            max_draft_tokens=plan.max_draft_tokens, adaptive_draft=options.adaptive_draft,
+            stop_strings=tuple(request.stop), session_key=key)
         self.generator.check(generation)
-        return generation
+        return generation, plan
+
+    def _prompts(self, task: Task, user_text: str, persona: str, history: tuple[Exchange, ...], max_new: int,
+                 budgeted: bool) -> list[tuple[int, list[int]]]:
+        """(exchanges of history at most, prompt ids): the fullest prompt that fits the context, then,
+        for a turn with a budget, the prompts the budget may fall back to (the newest exchange, none)."""
+        room = self.loaded.context_tokens - max_new
+        fallbacks = [kept for kept in (1, 0) if kept < len(history)] if budgeted else []
+        return [(kept, fit_history(self.loaded.tokenizer, task, user_text, persona,
+                                   history[len(history) - kept:], room))
+                for kept in (len(history), *fallbacks)]
 
 
 def _sampling(s) -> SamplingOptions:
@@ -138,8 +173,19 @@ def _entry(step: DecodeStep) -> TokenEntry:
     )
 
 
-def _reply_step(step: DecodeStep, clock: StageClock):
+def _budget(request) -> TurnBudget:
+    if not request.HasField("budget"):
+        return TurnBudget()
+    b = request.budget
+    return TurnBudget(b.budget_ms, b.speech_end_unix_ms, b.deadline_unix_ms)
+
+
+def _reply_step(step: DecodeStep, clock: StageClock, degradations: tuple[str, ...]):
     last = step.finish_reason is not None
+    times = None
+    if last:
+        times = clock.to_proto(common.StageTimes)
+        times.degradations.extend(degradations)
     return pb.ReplyStep(
         drafted=step.drafted,
         stats_json=json.dumps(step.stats.as_dict()) if step.stats else "",
@@ -149,7 +195,8 @@ def _reply_step(step: DecodeStep, clock: StageClock):
         accepted=step.accepted,
         end=last,
         finish_reason=step.finish_reason or "",
-        times=clock.to_proto(pb.StageTimes) if last else None,
+        times=times,
+        prefix_cached_tokens=step.prefix_cached_tokens,
     )
 
 
