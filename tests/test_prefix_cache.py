@@ -10,6 +10,8 @@ dropped, and the service reports the reuse on a reply's first step.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,11 +19,12 @@ import grpc
 import pytest
 import torch
 
-from pipeline.llm.batch import BatchedDecoder
+from pipeline.llm.batch import BatchedDecoder, BatchScheduler, _Pending
 from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator
 from pipeline.llm.model import LlmOptions, load_model
 from pipeline.llm.prefix_cache import PrefixCache, common_prefix
 from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, chat_messages, encode_chat
+from services.grpc_server import ModelWorker
 from services.protos import load
 from services.runtime import open_redis
 from services.settings import Settings
@@ -132,8 +135,13 @@ def test_a_reply_recorded_shorter_reuses_only_the_common_prefix(loaded):
         assert turn.cached == common_prefix(turn.prompt, before.left_in_cache(eos))
 
 
-def test_the_store_keeps_the_most_recently_used_sessions(tiny_llm_dir):
-    generator = Generator(load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float64")), prefix_cache_sessions=2)
+@pytest.fixture(scope="module")
+def tiny(tiny_llm_dir):
+    return load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float64"))
+
+
+def test_the_store_keeps_the_most_recently_used_sessions(tiny):
+    generator = Generator(tiny, prefix_cache_sessions=2)
     tokenizer = generator.loaded.tokenizer
 
     def first_step(session: str, question: str) -> DecodeStep:
@@ -148,6 +156,29 @@ def test_the_store_keeps_the_most_recently_used_sessions(tiny_llm_dir):
     assert first_step("a", "Why is the grass green?").prefix_cached_tokens == 0  # dropped: c goes now
     assert set(generator.prefix_cache._entries) == {"b", "a"}
     assert len(generator.prefix_cache) == 2
+
+
+def test_a_turn_restarted_in_the_batch_finds_what_its_cancelled_turn_left(tiny):
+    """A scheduler tick lets cancelled rows leave before it admits new ones, so a turn restarted on
+    the final transcript, in the tick that sees the early one cancelled, joins on the cache it left.
+    (Ticks driven one by one: the asyncio loop would decide by timing which tick sees what.)"""
+    generator = Generator(tiny, prefix_cache_sessions=4)
+    scheduler = BatchScheduler(BatchedDecoder(generator, max_batch_size=4), ModelWorker("test").call)
+    early = GenerationRequest(encode(tiny.tokenizer, "Why do cats", ()), 64, session_key="s")
+    final = GenerationRequest(encode(tiny.tokenizer, "Why do cats purr?", ()), 8, session_key="s")
+    stop = threading.Event()
+    scheduler._tick([_Pending(early, stop.is_set, asyncio.Queue())])
+    scheduler._tick([])
+    stop.set()
+    (gone, last), (row, first) = scheduler._tick([_Pending(final, lambda: False, asyncio.Queue())])
+    assert gone.request is early and last.finish_reason == "cancelled" and row.request is final
+    shared = common_prefix(early.prompt_ids, final.prompt_ids)
+    assert shared > 0 and first.prefix_cached_tokens == shared
+    steps = [first]
+    while scheduler.decoder.rows:
+        steps += [step for r, step in scheduler.decoder.step() if r is row]
+    reference = list(Generator(tiny).steps(final))
+    assert [t for s in steps for t in s.token_ids] == [t for s in reference for t in s.token_ids]
 
 
 def test_a_taken_cache_is_rolled_back_to_the_common_prefix():

@@ -103,11 +103,16 @@ class BatchedDecoder:
         self.rows, self.cache, self.kept = [], None, self.kept[:0, :0]
 
     @torch.inference_mode()
-    def step(self) -> list[tuple[RequestDecoder, DecodeStep]]:
-        out: list[tuple[RequestDecoder, DecodeStep]] = []
+    def drop_stopped(self) -> list[tuple[RequestDecoder, DecodeStep]]:
+        """Cancel the rows whose `should_stop` says so: each leaves with its last step."""
         stopped = [i for i, row in enumerate(self.rows) if row.should_stop()]
-        out += [(self.rows[i], self.rows[i].cancelled()) for i in stopped]
+        out = [(self.rows[i], self.rows[i].cancelled()) for i in stopped]
         self._leave(stopped)
+        return out
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[RequestDecoder, DecodeStep]]:
+        out = self.drop_stopped()
         if not self.rows:
             return out
         for row in self.rows:
@@ -298,8 +303,11 @@ class BatchScheduler:
                     del self._queues[key]
 
     def _tick(self, admit: list[_Pending]) -> list[tuple[object, DecodeStep | BaseException]]:
-        """In the worker thread: join the admitted requests, then one batch step."""
-        results: list[tuple[object, DecodeStep | BaseException]] = []
+        """In the worker thread: cancelled rows leave, the admitted requests join, then one batch step.
+
+        Rows leave first so that a request replacing a cancelled one of its session (a turn
+        restarted on the final transcript) finds the session's prefix cache they leave behind."""
+        results: list[tuple[object, DecodeStep | BaseException]] = list(self.decoder.drop_stopped())
         for pending in admit:
             def stop(p: _Pending = pending) -> bool:
                 return p.abandoned or p.should_stop()
