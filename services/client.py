@@ -33,6 +33,9 @@ from services.protos import load, load_common
 pb, pb_grpc = load("gateway")
 common = load_common()
 CONVERSATION_TIMEOUT_S = 180.0
+# With wait_for_replies, the microphone closes once this long has passed with no turn under
+# way, nothing playing and no speech: the end of speech, the final and an end-of-turn wait fit.
+END_OF_CONVERSATION_SILENCE_S = 1.5
 
 
 @dataclass
@@ -155,6 +158,7 @@ async def converse_script(address: str, script: list[Say], fmt: PcmFormat,
     turns: dict[str, TurnResult] = {}
     partials: list = []  # the user's words while they spoke (not part of any turn)
     state: dict[str, list[float]] = {"said_at_s": []}  # where each utterance begins in the input
+    answered_before: list[int] = [0]  # answered turns when each utterance began
     t0 = time.monotonic()
 
     def now_s() -> float:
@@ -168,17 +172,22 @@ async def converse_script(address: str, script: list[Say], fmt: PcmFormat,
         outgoing: asyncio.Queue = asyncio.Queue()
         started = 0.0
 
-        def replies_heard() -> bool:
-            """Every utterance said so far has had its reply, and the loudspeaker is quiet."""
-            answered = sum(bool(t.report) and t.report["finish_reason"] != "cancelled" for t in turns.values())
-            return answered >= len(state["said_at_s"]) and not speaker.playing(now_s())
+        def answered() -> int:
+            return sum(bool(t.report) and t.report["finish_reason"] not in ("cancelled", "error")
+                       for t in turns.values())
+
+        def quiet() -> bool:
+            """No turn under way (started, not reported) and nothing playing."""
+            return not speaker.playing(now_s()) and not any(t.utterance_index >= 0 and not t.report
+                                                            for t in turns.values())
 
         def due(say: Say, heard_since: float | None) -> bool:
             if not state["said_at_s"]:
                 return True
             if say.barge_in_after_s is not None:  # speak over the reply being played
                 return speaker.clock is not None and speaker.position(now_s()) >= say.barge_in_after_s
-            return heard_since is not None and now_s() - heard_since >= say.gap_s
+            replied = answered() > answered_before[-1]  # the last utterance had its reply
+            return replied and heard_since is not None and now_s() - heard_since >= say.gap_s
 
         async def microphone() -> None:
             nonlocal started
@@ -186,13 +195,15 @@ async def converse_script(address: str, script: list[Say], fmt: PcmFormat,
             started = time.time()
             sent, i, pending = 0, 0, list(script)
             speech, quiet_since, heard_since = b"", 0.0, None
+            settle_s = max(options.trailing_silence_s, END_OF_CONVERSATION_SILENCE_S)
             deadline = now_s() + CONVERSATION_TIMEOUT_S
             while now_s() < deadline:
-                heard = replies_heard()
+                heard = quiet()
                 heard_since = (heard_since or now_s()) if heard else None
                 if not speech and pending and due(pending[0], heard_since):
                     speech = pending.pop(0).pcm
                     state["said_at_s"].append(sent / fmt.bytes_per_s)
+                    answered_before.append(answered())
                     heard_since = None
                 if speech:
                     chunk, speech = speech[:chunk_bytes], speech[chunk_bytes:]
@@ -200,9 +211,11 @@ async def converse_script(address: str, script: list[Say], fmt: PcmFormat,
                     quiet_since = now_s() if not speech else quiet_since
                 else:
                     chunk = b"\0" * chunk_bytes
-                    done = not pending and now_s() - quiet_since >= options.trailing_silence_s
-                    if done and (not options.wait_for_replies or heard):
-                        break
+                    if not pending and now_s() - quiet_since >= options.trailing_silence_s:
+                        if not options.wait_for_replies:
+                            break
+                        if heard_since is not None and now_s() - max(heard_since, quiet_since) >= settle_s:
+                            break  # every reply heard, and nothing more came of the last words
                 i += 1
                 if options.realtime:
                     await asyncio.sleep(max(0.0, started + i * options.chunk_ms / 1000 - time.time()))

@@ -42,7 +42,7 @@ def merged(base: Config, overrides: Config) -> Config:
     out = Config()
     out.CopyFrom(base)
     for field, value in overrides.ListFields():  # only fields that are set
-        if field.label == field.LABEL_REPEATED:
+        if field.is_repeated:
             getattr(out, field.name)[:] = value
         elif field.message_type is not None:
             getattr(out, field.name).CopyFrom(value)

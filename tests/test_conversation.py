@@ -120,7 +120,7 @@ async def test_a_one_millisecond_budget_degrades_every_stage_and_still_answers(s
     first = await talk(stack, [Say(pcm(speech("Hello there, I am Sam.")))], max_reply_tokens=16)
     session_id = first[0].report["session_id"]
     options = ClientOptions(chunk_ms=40, wait_for_replies=True, trailing_silence_s=0.5, session_id=session_id,
-                            overrides=gw.SessionConfig(budget_ms=1))
+                            overrides=gw.SessionConfig(budget_ms=1, max_reply_tokens=64))
     turns = await asyncio.wait_for(converse_script(
         stack["gateway"], [Say(pcm(speech("Why is the sky blue?")))], FMT, options), 120)
     report = answered(turns)[0].report
