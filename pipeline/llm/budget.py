@@ -36,12 +36,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-FIRST_PHRASE_SHORTENED = "first_phrase_shortened"  # the tts stage's rung
+# The degradations' names, as StageTimes.degradations lists them; "first_phrase_shortened" is the tts stage's.
 DRAFTING_OFF = "drafting_off"
 DRAFT_SHORTENED = "draft_shortened"
 REPLY_CAPPED = "reply_capped"
 HISTORY_DROPPED = "history_dropped"
-ORDER = (FIRST_PHRASE_SHORTENED, (DRAFTING_OFF, DRAFT_SHORTENED), REPLY_CAPPED, HISTORY_DROPPED)
 
 # Before anything is measured: pessimistic figures for the bundled target on a busy 2-core CPU
 # (a quiet one decodes a token in ~40 ms and prefills ~2 ms a token).
