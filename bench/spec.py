@@ -80,7 +80,7 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
                 "speedup_vs_hf_greedy_float32": round(tally.tokens_per_s / float32_baseline, 3),
                 "identical_to_greedy": tally.outputs == reference,
                 "identical_to_plain": tally.outputs == runs["specvox-none"].outputs,
-                "weights": settings.llm.weights,
+                "weights": runner.loaded.weights,
                 "verify_cost_per_token": round(runner.verify_cost.per_token, 4),
                 "torch_threads": torch.get_num_threads(),
             })

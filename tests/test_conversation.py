@@ -125,8 +125,10 @@ async def test_a_one_millisecond_budget_degrades_every_stage_and_still_answers(s
         stack["gateway"], [Say(pcm(speech("Why is the sky blue?")))], FMT, options), 120)
     report = answered(turns)[0].report
     assert report["budget_ms"] == 1 and report["budget_missed"]
-    assert {"tts:first_phrase_shortened", "llm:reply_capped", "llm:history_dropped"} <= set(report["degradations"])
-    assert report["heard_text"]
+    # Every stage gave up what could act (history only where it shortens the prefill: a cached
+    # history costs nothing to keep), and the turn still completed.
+    assert {"tts:first_phrase_shortened", "llm:reply_capped"} <= set(report["degradations"])
+    assert report["heard_text"] and answered(turns)[0].reply_text.strip()
 
 
 async def test_a_client_that_goes_away_mid_reply_stops_its_work(stack, speech):
