@@ -20,7 +20,10 @@ voices; docs/benchmarks.md):
   question whose "?" was dropped and a statement without its full stop then score as they
   would with it, while "Hello" (the model expects "Hello, ...") and "I want to" stay low.
   It costs two passes: the prompt once (its KV cache kept), then the three marks as one
-  batched one-token step on that cache (~a decode step).
+  batched one-token step on that cache (~a decode step): for a 43-token prompt (the default
+  persona and a short question) about 110-120 ms on 2 busy CPU cores in float32, against
+  ~77 ms for one pass (`strip`). It separated closes at the end of a turn from closes at a
+  pause best (AUC 0.89 on the Piper voice, 0.68 on espeak-ng, whose transcripts are poor).
 - `raw` (the text as written), `strip` (trailing punctuation removed, one pass), `lower`
   (LiveKit's normalisation, one pass) and `lower-marks` are there for the benchmark.
 
@@ -47,7 +50,9 @@ NORMALISATIONS = ("marks", "raw", "strip", "lower", "lower-marks")
 DEFAULT_NORMALISATION = "marks"
 # The policy measured by `specvox bench end-of-turn` (docs/benchmarks.md): when an utterance closes,
 # the turn is complete if the score is at least COMPLETE_THRESHOLD; otherwise wait up to
-# INCOMPLETE_WAIT_MS more silence for the user to go on before ending it anyway.
+# INCOMPLETE_WAIT_MS more silence for the user to go on before ending it anyway. On 22 paused and
+# 8 whole turns per voice: Piper 0 of 24 pause closes cut off, 10 of 30 ends waited (233 ms on
+# average); espeak-ng 1 of 23 and 21 of 30 (490 ms); 150 ms of silence alone cut off every paused turn.
 COMPLETE_THRESHOLD = 0.03
 INCOMPLETE_WAIT_MS = 700
 # History kept for the score, as LiveKit's detector does: the last few exchanges, at most this many tokens.
