@@ -7,9 +7,9 @@ through five kinds of turn:
 
 - ``question``: a question, answered and heard out;
 - ``follow-up``: a question that builds on the reply before it (heard first);
-- ``interrupt``: a question whose reply another question speaks over ~1 s into playback;
 - ``backchannel``: a question whose reply gets "Yeah." / "Mm-hmm." / "Okay." during
   playback, which must not interrupt it (a *false interruption* if it does);
+- ``interrupt``: a question whose reply another question speaks over ~1 s into playback;
 - ``pause``: a question with 400-600 ms of real silence inside it ("Hello," … "can you tell
   me a fun fact about owls?"); an answered turn without the second part was *cut off* at
   the pause.
@@ -22,8 +22,10 @@ utterance's audio), false interruptions, in-sentence cut-offs, budget misses and
 degradations; at each session count, with the goals beside the figures. Writes JSON (per
 session count: the figures and the raw rows) and a per-stage waterfall PNG.
 
-A session's script runs as one Converse stream per script turn (a follow-up shares its
-question's), all on the same session, so the history carries over (see `segments` for why).
+Each cycle of five turns is one gateway session (see KINDS for why not more), run as one
+Converse stream per script turn (a follow-up shares its question's; see `segments`), so the
+history carries over. A barge-in said after the reply it meant to speak over had ended is
+not measured (counted apart).
 A backchannel makes no turn, and `converse_script` with `wait_for_replies=True` waits for a
 reply to every utterance said, so a stream that ends in one closes its microphone a few
 seconds after it (`wait_for_replies=False`).
@@ -60,7 +62,11 @@ SEGMENT_TIMEOUT_S = 150.0  # the client's own deadline is 180 s
 SESSION_STAGGER_S = 0.7  # concurrent sessions start this far apart, not in lockstep
 ONSET_RMS = 0.01  # speech onset: the first 10 ms frame above -40 dBFS RMS
 ANSWERED = ("eos", "length", "stop", "interrupted")
-KINDS = ("question", "follow-up", "interrupt", "backchannel", "pause")
+# The interrupt comes late in a cycle, and each cycle is a fresh session: a reply cut off in the
+# history ends in " —" (pipeline/llm/prompts.py), and the bundled 135M model then answers every
+# later turn of the session with "The answer is —" (1 s of audio, over before a barge-in at 1 s).
+KINDS = ("question", "follow-up", "backchannel", "interrupt", "pause")
+CUT_OFF_MARK = "—"
 # "piper" is the bundled voice; the others are espeak-ng voices (-v NAME -s 150).
 VOICES = ("piper", "en-us", "en-gb+f3", "en-us+m3")
 GOALS = {"1": {"p50": 500, "p95": 800}, "4": {"p95": 1500}}
@@ -120,6 +126,7 @@ class Outcome:
     interrupted: bool | None = None  # barge-in kinds: the spoken-over reply was interrupted
     false_interruption: bool | None = None
     cut_at_pause: bool | None = None
+    reply_over: bool = False  # barge-in kinds: said after the reply had ended, so not measured
     note: str = ""
 
     def as_dict(self) -> dict:
@@ -239,11 +246,13 @@ async def run_session(address: str, session: int, sessions: int, lines: list[Lin
 
     await asyncio.sleep(session * SESSION_STAGGER_S)
     config = pb.SessionConfig(max_reply_tokens=MAX_REPLY_TOKENS)
-    async with grpc.aio.insecure_channel(address) as channel:
-        session_id = (await pb_grpc.GatewayStub(channel).CreateSession(
-            pb.CreateSessionRequest(config=config))).session_id
     outcomes: list[Outcome] = []
+    session_id = ""
     for segment in segments(lines):
+        if not session_id or segment[0].turn % len(KINDS) == 0:  # each cycle of KINDS: a fresh session
+            async with grpc.aio.insecure_channel(address) as channel:
+                session_id = (await pb_grpc.GatewayStub(channel).CreateSession(
+                    pb.CreateSessionRequest(config=config))).session_id
         ends_in_backchannel = segment[-1].kind == "backchannel-word"
         options = ClientOptions(chunk_ms=CHUNK_MS, wait_for_replies=not ends_in_backchannel,
                                 trailing_silence_s=BACKCHANNEL_TAIL_S if ends_in_backchannel else 0.5,
@@ -292,17 +301,28 @@ def judge(segment: list[Line], results: list, session: int, sessions: int, note:
             onset_ms = started_ms + said_at[j] * 1000 + line.onset_ms
             over = [r for r in by_line.get(j - 1, []) if r.report["finish_reason"] != "cancelled"]
             pauses = [p for r in over for p in r.pauses_unix_ms if p >= onset_ms - 100]
-            o.pause_ms = round(min(pauses) - onset_ms) if pauses else None
-            o.interrupted = any(r.report["finish_reason"] == "interrupted" or r.interrupt for r in over)
-            if line.kind == "backchannel-word":
-                o.false_interruption = o.interrupted or bool(answered)  # it cut the reply, or became a turn
             if not over:
                 o.note = "no reply was playing when it was said"
-            elif o.pause_ms is None:
-                o.note = "no pause"
+            elif not pauses and all(reply_end_unix_ms(r) <= onset_ms for r in over):
+                o.note = "the reply was over before it was said: not measured"
+                o.reply_over = True
+            else:
+                o.pause_ms = round(min(pauses) - onset_ms) if pauses else None
+                o.interrupted = any(r.report["finish_reason"] == "interrupted" or r.interrupt for r in over)
+                if line.kind == "backchannel-word":
+                    o.false_interruption = o.interrupted or bool(answered)  # it cut the reply, or became a turn
+                if o.pause_ms is None:
+                    o.note = "no pause"
         elif line.barge_in_after_s is not None:
             o.note = o.note or "barge-in never said (the reply did not play)"
     return list(outcomes.values())
+
+
+def reply_end_unix_ms(result) -> float:
+    """When the loudspeaker finished the reply, played from its first chunk (no pauses)."""
+    if not result.first_audio_unix_ms:
+        return float("inf")
+    return result.first_audio_unix_ms + result.report["reply_audio_s"] * 1000
 
 
 def words_of(text: str) -> set[str]:
@@ -370,8 +390,9 @@ def percentiles(values: list) -> dict:
 
 def summarize(sessions: int, outcomes: list[Outcome], wall_s: float) -> dict:
     rows = [r for o in outcomes for r in o.rows]
-    backchannels = [o for o in outcomes if o.kind == "backchannel"]
-    interrupts = [o for o in outcomes if o.kind == "interrupt"]
+    backchannels = [o for o in outcomes if o.kind == "backchannel" and not o.reply_over]
+    interrupts = [o for o in outcomes if o.kind == "interrupt" and not o.reply_over]
+    too_late = Counter(o.kind for o in outcomes if o.reply_over)
     paused = [o for o in outcomes if o.kind == "pause"]
     goals = dict(GOALS.get(str(sessions), {}))
     v2v = percentiles([r["voice_to_voice_ms"] for r in rows])
@@ -385,14 +406,17 @@ def summarize(sessions: int, outcomes: list[Outcome], wall_s: float) -> dict:
         "voice_to_voice_ms": v2v,
         "stages_ms_after_speech_end": {key: percentiles([r[key] for r in rows]) for _, key in STAGES},
         "pause_ms": pause | {"missing": sum(o.pause_ms is None for o in backchannels + interrupts)},
-        "interruptions": {"said": len(interrupts), "interrupted": sum(bool(o.interrupted) for o in interrupts)},
+        "interruptions": {"said": len(interrupts), "interrupted": sum(bool(o.interrupted) for o in interrupts),
+                          "after_the_reply_ended": too_late["interrupt"]},
         "backchannels": {"said": len(backchannels),
-                         "false_interruptions": sum(bool(o.false_interruption) for o in backchannels)},
+                         "false_interruptions": sum(bool(o.false_interruption) for o in backchannels),
+                         "after_the_reply_ended": too_late["backchannel"]},
         "in_sentence_pauses": {"said": len(paused), "cut_off": sum(bool(o.cut_at_pause) for o in paused),
                                "unanswered": sum(not o.rows for o in paused)},
         "budget_missed": sum(bool(r["budget_missed"]) for r in rows),
         "degradations": dict(degradations.most_common()),
         "finish_reasons": dict(Counter(r["finish_reason"] for r in rows)),
+        "replies_ending_in_cut_off_mark": sum(r["reply_text"].rstrip().endswith(CUT_OFF_MARK) for r in rows),
         "goals": goals | {"pause_p95": PAUSE_GOAL_P95_MS, "backchannel_false_interruptions": 0,
                           "in_sentence_cut_offs": 0},
         "met": _met(goals, v2v, pause, backchannels, paused),
@@ -442,6 +466,11 @@ def print_table(results: dict) -> None:
               f"{ok(met['in_sentence_cut_offs'])}"
               + (f"  ({c['unanswered']} unanswered)" if c["unanswered"] else ""))
         print(f"  interruptions that interrupted   {i['interrupted']}/{i['said']}")
+        late = i["after_the_reply_ended"] + b["after_the_reply_ended"]
+        if late:
+            print(f"  barge-ins after the reply ended  {late} (not measured)")
+        print(f"  replies ending in the history's cut-off mark '{CUT_OFF_MARK}'  "
+              f"{s['replies_ending_in_cut_off_mark']}/{s['answered_turns']}")
         print(f"  budget missed                    {s['budget_missed']}/{s['answered_turns']}")
         print("  degradations                     "
               + (", ".join(f"{n} ×{k}" for n, k in s["degradations"].items()) or "none"))
