@@ -44,9 +44,11 @@ HEARD_WORD_SLACK_S = 0.05  # a word counts as heard once playback passed its end
 @dataclass(frozen=True)
 class TurnTakingOptions:
     # A text end-of-turn score at least this confirms a turn at once; lower waits for more
-    # silence. 0: every final ends the turn (silence alone decides).
-    end_of_turn_threshold: float = 0.2
-    incomplete_wait_s: float = 0.6  # more silence after a low-scored final before it is the turn's end
+    # silence. 0: every final ends the turn (silence alone decides). 0.03 and 0.7 s cut off 0
+    # of 24 and 1 of 23 in-sentence pauses (bundled and espeak-ng voices) where silence alone
+    # cut off all 44 (docs/benchmarks.md, "End of turn").
+    end_of_turn_threshold: float = 0.03
+    incomplete_wait_s: float = 0.7  # more silence after a low-scored final before it is the turn's end
     backchannels: tuple[str, ...] = DEFAULT_BACKCHANNELS
     backchannel_max_words: int = 3
     pause_max_s: float = 3.0  # a pause the words never decided ends in a resume
