@@ -23,12 +23,11 @@ class Task(Enum):
 class Exchange:
     user: str
     assistant: str  # what the user heard of the reply
-    cut_off: bool = False  # the user spoke over the reply: `assistant` is the part they heard
+    # The user spoke over the reply: `assistant` is the part they heard. The prompt shows those
+    # words as they are: marked with a dash, the bundled 135M model took to ending every later
+    # reply with one ("The answer is —").
+    cut_off: bool = False
 
-    @property
-    def assistant_said(self) -> str:
-        """The reply as the model sees it in the history: a cut-off one ends in a dash."""
-        return f"{self.assistant} —" if self.cut_off else self.assistant
 
 
 class PromptTooLongError(ValueError):
@@ -43,7 +42,7 @@ def chat_messages(
     messages = [{"role": "system", "content": persona}]
     for exchange in history:
         messages.append({"role": "user", "content": exchange.user})
-        messages.append({"role": "assistant", "content": exchange.assistant_said})
+        messages.append({"role": "assistant", "content": exchange.assistant})
     messages.append({"role": "user", "content": user_text})
     return messages
 
