@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 from pipeline.asr_stream import norm_word, normalised_text
 
 DEFAULT_BACKCHANNELS = (
-    "yeah", "yes", "yep", "yup", "mm", "mhm", "mm-hmm", "uh-huh", "hmm", "okay", "ok", "right",
-    "sure", "alright", "i see", "got it", "cool", "nice", "wow", "oh", "ah", "uh", "um",
+    "yeah", "yes", "yep", "yup", "mm", "mmm", "m", "mhm", "mm-hmm", "hm", "hmm", "uh-huh", "huh",
+    "okay", "ok", "right", "sure", "alright", "i see", "got it", "cool", "nice", "wow", "oh", "ah",
+    "uh", "um",
 )
 HEARD_WORD_SLACK_S = 0.05  # a word counts as heard once playback passed its end, less this
 
@@ -536,7 +537,9 @@ class TurnTaking:
         words = [w for w in (norm_word(x) for x in text.replace("-", " ").split()) if w]
         if not words:
             return partial  # nothing legible yet
-        if len(words) > self.options.backchannel_max_words:
+        # Whisper tends to repeat a short sound ("yeah yeah yeah yeah yeah" for one "Yeah."):
+        # the words count once each.
+        if len(set(words)) > self.options.backchannel_max_words:
             return False
         return "".join(words) in self._backchannel_phrases or all(w in self._backchannel_words for w in words)
 

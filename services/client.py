@@ -159,6 +159,7 @@ async def converse_script(address: str, script: list[Say], fmt: PcmFormat,
     partials: list = []  # the user's words while they spoke (not part of any turn)
     state: dict[str, list[float]] = {"said_at_s": []}  # where each utterance begins in the input
     answered_before: list[int] = [0]  # answered turns when each utterance began
+    playing_at_say: set[str] = {""}  # the loudspeaker's turn whenever an utterance began (not its reply)
     t0 = time.monotonic()
 
     def now_s() -> float:
@@ -184,8 +185,9 @@ async def converse_script(address: str, script: list[Say], fmt: PcmFormat,
         def due(say: Say, heard_since: float | None) -> bool:
             if not state["said_at_s"]:
                 return True
-            if say.barge_in_after_s is not None:  # speak over the reply being played
-                return speaker.clock is not None and speaker.position(now_s()) >= say.barge_in_after_s
+            if say.barge_in_after_s is not None:  # speak over the reply to the last utterance, as it plays
+                fresh = speaker.turn_id not in playing_at_say
+                return fresh and speaker.clock is not None and speaker.position(now_s()) >= say.barge_in_after_s
             replied = answered() > answered_before[-1]  # the last utterance had its reply
             return replied and heard_since is not None and now_s() - heard_since >= say.gap_s
 
@@ -204,6 +206,7 @@ async def converse_script(address: str, script: list[Say], fmt: PcmFormat,
                     speech = pending.pop(0).pcm
                     state["said_at_s"].append(sent / fmt.bytes_per_s)
                     answered_before.append(answered())
+                    playing_at_say.add(speaker.turn_id)
                     heard_since = None
                 if speech:
                     chunk, speech = speech[:chunk_bytes], speech[chunk_bytes:]
@@ -331,6 +334,7 @@ def report_dict(turn: TurnResult, report, started_unix_s: float) -> dict:
         "preemption": report.preemption,
         "speech_end_s": round(report.speech_end_s, 3),
         "speech_end_unix_ms": round(speech_end_ms),
+        "first_audio_sent_unix_ms": report.first_audio_sent_unix_ms,
         "voice_to_voice_ms": round(turn.first_audio_unix_ms - speech_end_ms) if turn.first_audio_unix_ms else None,
         "budget_ms": report.budget_ms,
         "budget_missed": report.budget_missed,

@@ -74,6 +74,7 @@ tts_pb, tts_grpc = load("tts")
 common = load_common()
 log = logging.getLogger(__name__)
 END = object()
+SCORE_WAIT_S = 0.5  # the reply's llm call waits this long at most for the end-of-turn score
 TICK_S = 0.02  # timers of the turn-taking machine (held turns, playout, pauses) are this fine
 KIND = asr_pb.TranscriptEvent
 Config = pb.SessionConfig
@@ -127,6 +128,9 @@ class TurnWork:
     tasks: list[asyncio.Task] = field(default_factory=list)
     prefix_cached_tokens: int = 0
     mode: str = "dialogue"
+    # Set once the end-of-turn score is in (or none is asked for): the score prefills the
+    # session's conversation on llm's prefix cache, then the reply's own prefill is a few tokens.
+    scored: asyncio.Event = field(default_factory=asyncio.Event)
 
     def cancel(self) -> None:
         for task in self.tasks:
@@ -301,13 +305,12 @@ class Conversation:
             drafter=c.drafter, system_prompt=c.system_prompt, budget=self._budget(work))
         if c.HasField("sampling"):
             request.sampling.CopyFrom(c.sampling)
-        llm_call = stubs.llm.Reply(request)
         tts_call = stubs.tts.SpeakTurn(tts_pb.SpeakTurnRequest(
             session_id=self.session_id, turn_id=work.turn_id, sample_rate_hz=c.reply_sample_rate_hz,
             voice=c.voice, budget=self._budget(work)))
         sender = asyncio.create_task(self._send_paced(work))
         try:
-            await asyncio.gather(self._pump_reply(work, llm_call), self._pump_speech(work, tts_call))
+            await asyncio.gather(self._pump_reply(work, request), self._pump_speech(work, tts_call))
             await work.outbox.put(END)
             await sender
             await self.handle(ReplyDone(work.turn_id, work.finish_reason))
@@ -320,10 +323,20 @@ class Conversation:
             await self.handle(ReplyDone(work.turn_id, "error"))
         finally:
             sender.cancel()
-            llm_call.cancel()
             tts_call.cancel()
 
-    async def _pump_reply(self, work: TurnWork, call) -> None:
+    async def _pump_reply(self, work: TurnWork, request) -> None:
+        try:
+            await asyncio.wait_for(work.scored.wait(), SCORE_WAIT_S)
+        except TimeoutError:
+            pass  # a slow score does not hold the reply back any longer
+        call = self.servicer.stubs.llm.Reply(request)
+        try:
+            await self._read_reply(work, call)
+        finally:
+            call.cancel()
+
+    async def _read_reply(self, work: TurnWork, call) -> None:
         async for step in call:
             work.reply_text += step.text_delta
             if step.seq == 0:
@@ -368,12 +381,15 @@ class Conversation:
                 await self.events.put(event)
 
     def _score_end_of_turn(self, action: ScoreEndOfTurn) -> None:
-        if self.settings.turn_taking.end_of_turn_threshold <= 0 or action.turn_id not in self.work:
-            return  # silence alone decides: the machine confirms without a score
-        work = self.work[action.turn_id]
-        work.tasks.append(asyncio.create_task(self._end_of_turn(action)))
+        work = self.work.get(action.turn_id)
+        if work is None:
+            return
+        if self.settings.turn_taking.end_of_turn_threshold <= 0:
+            work.scored.set()  # silence alone decides: the machine confirms without a score
+            return
+        work.tasks.append(asyncio.create_task(self._end_of_turn(work, action)))
 
-    async def _end_of_turn(self, action: ScoreEndOfTurn) -> None:
+    async def _end_of_turn(self, work: TurnWork, action: ScoreEndOfTurn) -> None:
         try:
             score = await self.servicer.stubs.llm.EndOfTurn(llm_pb.EndOfTurnRequest(
                 session_id=self.session_id, user_text=action.user_text, system_prompt=self.config.system_prompt))
@@ -381,6 +397,8 @@ class Conversation:
         except grpc.aio.AioRpcError as e:  # without a score the turn ends at the silence, as before
             log.warning("end-of-turn score failed, taking the turn as complete: %s", e.details())
             probability = 1.0
+        finally:
+            work.scored.set()
         await self.handle(EndOfTurnScored(action.turn_id, probability))
 
     def _announce_final(self, action: AnnounceFinal) -> None:

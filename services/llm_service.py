@@ -103,8 +103,15 @@ class LlmServicer(pb_grpc.LlmServicer):
             if getattr(self, "_end_of_turn", None) is None:  # built at the first call: a few token lookups
                 from pipeline.llm.end_of_turn import EndOfTurnScorer
 
-                self._end_of_turn = EndOfTurnScorer(self.loaded)
-            result = await self.worker.call(self._end_of_turn.score, request.user_text, persona, history)
+                # With a prefix cache the score runs on the session's conversation as the reply will
+                # see it (all the history that fits), so that the reply reuses what the score prefilled.
+                cached = self.generator.prefix_cache.sessions > 0
+                self._end_of_turn = EndOfTurnScorer(
+                    self.loaded, **({"max_history_exchanges": 1_000,
+                                     "max_history_tokens": self.loaded.context_tokens} if cached else {}))
+            cache = self.generator.prefix_cache if self.generator.prefix_cache.sessions else None
+            result = await self.worker.call(lambda: self._end_of_turn.score(
+                request.user_text, persona, history, prefix_cache=cache, session_key=request.session_id))
             return pb.EndOfTurnScore(probability=result.probability, prompt_tokens=result.prompt_tokens,
                                      compute_ms=result.compute_ms)
 

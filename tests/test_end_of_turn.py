@@ -152,3 +152,27 @@ async def test_the_llm_service_scores_the_sessions_conversation_beside_a_reply(r
         expected = scorer.score(text, persona, history)
         assert score.probability == pytest.approx(expected.probability, rel=1e-5)  # a float on the wire
         assert score.prompt_tokens == expected.prompt_tokens and score.compute_ms > 0
+
+
+def test_a_score_on_the_sessions_prefix_cache_leaves_the_conversation_for_the_reply(scorer):
+    """With the generator's prefix cache, the score prefills only the new words, and the reply
+    that follows finds all of the conversation but the template's tail cached; the reply is the
+    one decoded without any of that."""
+    from pipeline.llm.engine import GenerationRequest, Generator
+    from pipeline.llm.prompts import DEFAULT_PERSONA, Task, chat_messages, encode_chat
+
+    loaded = scorer.loaded
+    history = (Exchange("Hi there!", "Hello! How can I help you today?"),)
+    text = "What is the capital of Spain?"
+    plain = scorer.score(text, DEFAULT_PERSONA, history)
+    cached_generator = Generator(loaded, prefix_cache_sessions=4)
+    cached = scorer.score(text, DEFAULT_PERSONA, history, prefix_cache=cached_generator.prefix_cache,
+                          session_key="s")
+    assert cached.probability == pytest.approx(plain.probability, rel=1e-3)
+    prompt = tuple(encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, text, DEFAULT_PERSONA, history)))
+    reused = cached_generator.prefix_cache.reusable("s", prompt)
+    assert len(prompt) - 8 <= reused < len(prompt)  # the template's tail (and the "?") is what is left
+    request = GenerationRequest(prompt, 12, "none", session_key="s")
+    with_cache = [t for step in cached_generator.steps(request) for t in step.token_ids]
+    without = [t for step in Generator(loaded).steps(GenerationRequest(prompt, 12, "none")) for t in step.token_ids]
+    assert with_cache == without

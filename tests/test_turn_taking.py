@@ -144,7 +144,8 @@ def test_barge_in_while_the_reply_is_still_written_cancels_its_work():
     assert of(actions, StartTurn)[0].user_text == "What is the capital of France? Stop, tell me about Spain."
 
 
-@pytest.mark.parametrize("said", ["Yeah.", "mm-hmm", "Okay, okay.", "Right.", "Uh-huh."])
+@pytest.mark.parametrize("said", ["Yeah.", "mm-hmm", "Okay, okay.", "Right.", "Uh-huh.",
+                                  "yeah yeah yeah yeah yeah", "ok ok ok ok ok"])
 def test_a_backchannel_pauses_then_resumes_and_the_reply_completes(said):
     talk = Talk()
     turn = confirmed_turn(talk)
@@ -157,6 +158,18 @@ def test_a_backchannel_pauses_then_resumes_and_the_reply_completes(said):
     assert of(talk(Tick(), at=2.4), TurnOver) == []  # 0.8 + 1.1 s played of 2 s
     over = of(talk(Tick(), at=2.6), TurnOver)[0]
     assert (over.finish_reason, over.heard_text, over.pauses, over.resumes) == ("eos", "One two three four.", 1, 1)
+
+
+@pytest.mark.parametrize("said", ["Yeah, but what about Spain?", "Okay so tell me more about it",
+                                  "right right so what now"])
+def test_words_beyond_a_backchannel_interrupt(said):
+    talk = Talk()
+    turn = confirmed_turn(talk)
+    talk.speak_reply(turn, ["One", "two", "three", "four."])
+    talk(VoiceStarted(), at=0.8)
+    talk(SpeechStarted(1), at=0.9)
+    actions = talk(Final(1, said), at=1.5)
+    assert of(actions, InterruptPlayback) and of(actions, StartTurn)[0].user_text == said
 
 
 def test_noise_pauses_then_resumes():

@@ -33,6 +33,7 @@ thread of its own. The llm service runs it on its model thread, between decode s
 
 from __future__ import annotations
 
+import copy
 import math
 import re
 import time
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 
 from pipeline.llm.model import LoadedModel
+from pipeline.llm.prefix_cache import PrefixCache
 from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, chat_messages
 
 END_OF_TURN_TOKEN = "<|im_end|>"  # ChatML's end of a message (SmolLM2, Qwen, ...)
@@ -106,16 +108,24 @@ class EndOfTurnScorer:
         return self.score(user_text, persona, history).probability
 
     def score(self, user_text: str, persona: str = DEFAULT_PERSONA, history: tuple[Exchange, ...] = (),
-              normalisation: str | None = None) -> EndOfTurnResult:
+              normalisation: str | None = None, prefix_cache: PrefixCache | None = None,
+              session_key: str = "") -> EndOfTurnResult:
+        """`prefix_cache`: the generator's cache of the session's conversation. The score then
+        prefills only the user's new words on it and leaves the conversation up to them there, so
+        the reply that follows (its prompt is this one plus the template's tail) prefills a few
+        tokens: the score costs about what the reply's own prefill would have."""
         started = time.perf_counter()
         mode = normalisation or self.normalisation
         ids = self.prompt_ids(normalise(self._clean(user_text), mode), persona, history)
+        cache, reused = prefix_cache.take(session_key, ids) if prefix_cache is not None else (None, 0)
         with torch.inference_mode():
-            logits, cache = self._forward(torch.tensor([ids], device=self.loaded.device), None)
+            logits, cache = self._forward(torch.tensor([ids[reused:]], device=self.loaded.device), cache)
             first = torch.log_softmax(logits[0], dim=-1)
             p = math.exp(float(first[self.end_id]))
+            if prefix_cache is not None:
+                prefix_cache.put(session_key, ids, cache)
             if mode.endswith("marks") and self.mark_ids:
-                p += self._marks_probability(first, cache)
+                p += self._marks_probability(first, copy.deepcopy(cache) if prefix_cache is not None else cache)
         return EndOfTurnResult(min(p, 1.0), len(ids), (time.perf_counter() - started) * 1000)
 
     def prompt_ids(self, text: str, persona: str, history: tuple[Exchange, ...]) -> list[int]:
