@@ -52,6 +52,10 @@ class TurnTakingOptions:
     incomplete_wait_s: float = 0.7  # more silence after a low-scored final before it is the turn's end
     backchannels: tuple[str, ...] = DEFAULT_BACKCHANNELS
     backchannel_max_words: int = 3
+    # Words said over the avatar that the asr is this unsure of, every one, are taken as noise:
+    # whisper tiny turns a murmured "mm-hmm" into "And" (p 0.43) or "in a month", while a real
+    # "Stop." or "Hold on." came at 0.52-0.94 on both test voices.
+    min_interrupt_confidence: float = 0.45
     pause_max_s: float = 3.0  # a pause the words never decided ends in a resume
     audio_lead_s: float = 1.0  # reply audio sent ahead of playback, at most
 
@@ -84,6 +88,7 @@ class Partial:
 class Final:
     utterance: int
     text: str
+    confidence: float = 1.0  # the asr's highest word probability in it (1: not known)
 
 
 @dataclass(frozen=True)
@@ -370,7 +375,9 @@ class TurnTaking:
         if self.caption_mode:
             return []
         if self.paused_since_s is not None:
-            if event.text.strip() and not self._backchannel(event.text, partial=True):
+            # A partial interrupts only when it is plainly more than a backchannel; a short one
+            # (often whisper's guess at a murmur) waits for the final to decide.
+            if len(set(_words(event.text))) > self.options.backchannel_max_words:
                 return self._interrupt(now_s)
             return []
         t = self.turn
@@ -386,7 +393,7 @@ class TurnTaking:
             return [StartCaption(self._new_id(), event.utterance, text)] if text else []
         actions: list[Action] = []
         if self.paused_since_s is not None:
-            if not text:
+            if not text or event.confidence < self.options.min_interrupt_confidence:
                 return self._resume(now_s, "noise")
             if self._backchannel(text, partial=False):
                 return self._resume(now_s, "backchannel")
@@ -534,7 +541,7 @@ class TurnTaking:
 
     def _backchannel(self, text: str, partial: bool) -> bool:
         """Only words of the backchannel list, and few of them (a partial may still grow)."""
-        words = [w for w in (norm_word(x) for x in text.replace("-", " ").split()) if w]
+        words = _words(text)
         if not words:
             return partial  # nothing legible yet
         # Whisper tends to repeat a short sound ("yeah yeah yeah yeah yeah" for one "Yeah."):
@@ -542,6 +549,10 @@ class TurnTaking:
         if len(set(words)) > self.options.backchannel_max_words:
             return False
         return "".join(words) in self._backchannel_phrases or all(w in self._backchannel_words for w in words)
+
+
+def _words(text: str) -> list[str]:
+    return [w for w in (norm_word(x) for x in text.replace("-", " ").split()) if w]
 
 
 def _add(counts: ConversationCounts, **more: int) -> ConversationCounts:

@@ -240,7 +240,8 @@ class Conversation:
             await self.handle(Partial(event.utterance_index, event.text, stable))
         elif kind == KIND.FINAL:
             self.finals[event.utterance_index] = event
-            await self.handle(Final(event.utterance_index, event.text))
+            confidence = max((w.probability for w in event.words), default=0.0)
+            await self.handle(Final(event.utterance_index, event.text, confidence))
 
     async def handle(self, event: Event) -> None:
         async with self._lock:

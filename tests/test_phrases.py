@@ -52,3 +52,21 @@ def test_webvtt_document_lists_cues_in_order():
     assert doc.startswith("WEBVTT")
     assert "00:00:00.000 --> 00:00:01.250\nHello there," in doc
     assert "00:00:01.250 --> 00:00:03.000\nhow are you?" in doc
+
+
+def test_the_first_phrase_is_a_clause_or_a_few_words_whichever_comes_first():
+    assert feed_words(PhraseCutter(), "The capital of France is Paris, a lovely city.") == [
+        "The capital of France is", "Paris, a lovely city."]
+    assert feed_words(PhraseCutter(), "Oh, I see what you mean.") == ["Oh, I see what you", "mean."]
+    assert feed_words(PhraseCutter(), "Sure thing, here it is.") == ["Sure thing,", "here it is."]
+    assert feed_words(PhraseCutter(PhraseOptions(first_phrase_max_words=0)), "The capital of France is Paris.") == [
+        "The capital of France is Paris."]
+
+
+def test_a_late_turn_cuts_its_first_phrase_after_three_words():
+    cutter = PhraseCutter()
+    assert cutter.feed("Well I ") == []
+    assert cutter.hurry() and cutter.hurried
+    assert cutter.feed("think ") == ["Well I think"]
+    assert not cutter.hurry()  # the first phrase is out: nothing left to hurry
+    assert cutter.feed("that is right. ") == ["that is right."]

@@ -219,7 +219,7 @@ async def write_tokens(redis, turn_id: str, deltas: list[str | None], gap_s: flo
 @pytest.mark.parametrize("arrival", ["slowly", "in bursts", "with empty deltas"])
 async def test_a_turn_is_spoken_from_its_token_stream_however_it_arrives(service, arrival):
     stub, redis = service
-    words = [w + " " for w in "Sure, I can help with that. It takes about 5 minutes, more or less.".split()]
+    words = [w + " " for w in "Sure, I can help. It takes about 5 minutes, more or less.".split()]
     deltas: list[str | None] = {
         "slowly": [d for w in words for d in (w, None)],
         "in bursts": ["".join(words[:4]), None, "".join(words[4:9]), None, None, "".join(words[9:])],
@@ -231,7 +231,7 @@ async def test_a_turn_is_spoken_from_its_token_stream_however_it_arrives(service
                                                                sample_rate_hz=RATE)))
     await writer
     check_timeline(result)
-    assert [c.text for c in result["cues"]] == ["Sure, I can help with that.",
+    assert [c.text for c in result["cues"]] == ["Sure, I can help.",
                                                 "It takes about 5 minutes, more or less."]
     assert [w.text for w in result["words"]] == "".join(words).split()
     assert result["times"].first_in_unix_ms <= result["times"].first_out_unix_ms

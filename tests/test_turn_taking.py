@@ -120,7 +120,7 @@ def test_barge_in_pauses_then_interrupts_and_the_history_keeps_the_heard_words()
     assert pause == [PausePlayback(turn, pytest.approx(1.3))]
     assert talk.machine.may_send_until_s(turn, 1.4) == -1.0  # nothing more goes out while paused
     talk(SpeechStarted(1), at=1.45)
-    actions = talk(Partial(1, "Actually, what about", stable_ending=False), at=1.7)
+    actions = talk(Partial(1, "Actually, what about that", stable_ending=False), at=1.7)
     interrupt = of(actions, InterruptPlayback)[0]
     assert interrupt.heard_until_s == pytest.approx(1.3) and interrupt.heard_text == "Paris is"
     assert of(actions, RecordExchange) == [RecordExchange("What is the capital of France?", "Paris is", cut_off=True)]
@@ -170,6 +170,26 @@ def test_words_beyond_a_backchannel_interrupt(said):
     talk(SpeechStarted(1), at=0.9)
     actions = talk(Final(1, said), at=1.5)
     assert of(actions, InterruptPlayback) and of(actions, StartTurn)[0].user_text == said
+
+
+@pytest.mark.parametrize(("said", "confidence"), [("And", 0.43), ("in a month", 0.3)])
+def test_words_the_asr_is_unsure_of_are_noise(said, confidence):
+    talk = Talk()
+    turn = confirmed_turn(talk)
+    talk.speak_reply(turn, ["One", "two", "three", "four."])
+    talk(VoiceStarted(), at=0.8)
+    talk(SpeechStarted(1), at=0.9)
+    assert of(talk(Partial(1, said, stable_ending=False), at=1.0), InterruptPlayback) == []  # short: the final decides
+    actions = talk(Final(1, said, confidence), at=1.3)
+    assert of(actions, ResumePlayback)[0].reason == "noise" and of(actions, StartTurn) == []
+
+
+def test_a_long_partial_interrupts_before_the_final():
+    talk = Talk()
+    turn = confirmed_turn(talk)
+    talk.speak_reply(turn, ["One", "two", "three", "four."])
+    talk(VoiceStarted(), at=0.8)
+    assert of(talk(Partial(1, "Stop, what is the capital", stable_ending=False), at=1.2), InterruptPlayback)
 
 
 def test_noise_pauses_then_resumes():

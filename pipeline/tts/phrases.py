@@ -20,6 +20,9 @@ ABBREVIATIONS = frozenset({"mr", "mrs", "ms", "dr", "prof", "st", "vs", "etc", "
 class PhraseOptions:
     first_phrase_min_chars: int = 12  # shorter clauses are joined to the next one
     first_phrase_max_chars: int = 36  # cut at a word boundary past this (about 8 tokens)
+    # ... or after this many words, whichever comes first: the first audio waits for the first
+    # phrase's last token, so "a few words" of it go out as soon as they are written. 0: no limit.
+    first_phrase_max_words: int = 5
     max_phrase_chars: int = 220
     # A turn behind its latency budget cuts its first phrase after this many words (`hurry`).
     hurried_first_phrase_words: int = 3
@@ -67,10 +70,11 @@ class PhraseCutter:
         for match in pattern.finditer(self._text):
             if match.end() >= min_chars and not _after_abbreviation(self._text, match.start()):
                 return match.end()
-        if first and self.hurried:
+        most_words = self.options.hurried_first_phrase_words if self.hurried else self.options.first_phrase_max_words
+        if first and most_words:
             words = list(re.finditer(r"\S+\s", self._text))  # complete words: a space follows
-            if len(words) >= self.options.hurried_first_phrase_words:
-                return words[self.options.hurried_first_phrase_words - 1].end()
+            if len(words) >= most_words:
+                return words[most_words - 1].end()
         cap = self.options.first_phrase_max_chars if first else self.options.max_phrase_chars
         if len(self._text) > cap:
             space = self._text.rfind(" ", 0, cap)
