@@ -374,7 +374,7 @@ class TurnTaking:
     def _on_Partial(self, event: Partial, now_s: float) -> list[Action]:  # noqa: N802
         if self.caption_mode:
             return []
-        if self.paused_since_s is not None:
+        if self.paused_since_s is not None or self.audible(now_s):
             # A partial interrupts only when it is plainly more than a backchannel; a short one
             # (often whisper's guess at a murmur) waits for the final to decide.
             if len(set(_words(event.text))) > self.options.backchannel_max_words:
@@ -392,7 +392,9 @@ class TurnTaking:
         if self.caption_mode:
             return [StartCaption(self._new_id(), event.utterance, text)] if text else []
         actions: list[Action] = []
-        if self.paused_since_s is not None:
+        if self.paused_since_s is not None or self.audible(now_s):  # said over the avatar
+            # (Not paused, too: voice in two short bursts can end each one's pause before the
+            # utterance they make up is transcribed.)
             if not text or event.confidence < self.options.min_interrupt_confidence:
                 return self._resume(now_s, "noise")
             if self._backchannel(text, partial=False):

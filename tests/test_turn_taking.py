@@ -184,6 +184,18 @@ def test_words_the_asr_is_unsure_of_are_noise(said, confidence):
     assert of(actions, ResumePlayback)[0].reason == "noise" and of(actions, StartTurn) == []
 
 
+def test_a_backchannel_after_its_pause_was_resumed_is_still_no_turn():
+    """Voice in two bursts ("mm" … "hmm"): each burst's pause resumed on its own, then the final."""
+    talk = Talk()
+    turn = confirmed_turn(talk)
+    talk.speak_reply(turn, ["One", "two", "three", "four."])
+    talk(VoiceStarted(), at=0.8)
+    talk(VoiceEnded(), at=0.9)
+    actions = talk(Final(1, "Mm-hmm.", 0.7), at=1.2)
+    assert of(actions, InterruptPlayback) == [] and of(actions, StartTurn) == []
+    assert of(talk(Tick(), at=2.2), TurnOver)[0].finish_reason == "eos"
+
+
 def test_a_long_partial_interrupts_before_the_final():
     talk = Talk()
     turn = confirmed_turn(talk)
