@@ -8,8 +8,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -137,3 +139,44 @@ def espeak():
         return np.concatenate([pad, samples, pad])
 
     return make
+
+
+@dataclass
+class LlmOnLoopback:
+    """The llm servicer on a gRPC server of its own, with its Redis and a stub that reaches it."""
+
+    stub: Any
+    servicer: Any
+    redis: Any
+    settings: Any
+
+    @property
+    def loaded(self):
+        return self.servicer.loaded
+
+
+@contextlib.asynccontextmanager
+async def llm_on_loopback(redis_url: str, options) -> AsyncIterator[LlmOnLoopback]:
+    """`options` (LlmOptions) served by `LlmServicer` on a free loopback port, stopped at the end."""
+    import grpc
+
+    from pipeline.llm.model import load_model
+    from services.llm_service import LlmServicer
+    from services.protos import load
+    from services.runtime import open_redis
+    from services.settings import Settings
+
+    _, llm_grpc = load("llm")
+    settings = Settings(redis_url=redis_url, llm=options)
+    redis = await open_redis(settings)
+    servicer = LlmServicer(settings, load_model(options), redis)
+    server = grpc.aio.server()
+    llm_grpc.add_LlmServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield LlmOnLoopback(llm_grpc.LlmStub(channel), servicer, redis, settings)
+    finally:
+        await server.stop(None)
+        await redis.close()

@@ -20,7 +20,6 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 
-import grpc
 import pytest
 import torch
 
@@ -32,8 +31,7 @@ from pipeline.llm.prompts import DEFAULT_PERSONA, Task, chat_messages, encode_ch
 from pipeline.llm.sampling import SamplingOptions
 from services.grpc_server import ModelWorker
 from services.protos import load
-from services.runtime import open_redis
-from services.settings import Settings
+from tests.conftest import llm_on_loopback
 
 PROMPTS = load_prompts()
 ALL_PROMPTS = [text for task in ("dialogue", "caption") for text in PROMPTS[task]]
@@ -248,35 +246,21 @@ async def test_the_scheduler_streams_each_caller_its_own_steps_and_drops_a_calle
 
 
 async def test_the_llm_service_answers_two_concurrent_replies_in_one_batch(redis_url, tiny_llm_dir):
-    from services.llm_service import LlmServicer
-
-    llm, llm_grpc = load("llm")
-    settings = Settings(redis_url=redis_url, llm=LlmOptions(model=str(tiny_llm_dir), dtype="float64",
-                                                            max_batch_size=4, drafter="suffix"))
-    loaded = load_model(settings.llm)
-    redis = await open_redis(settings)
-    servicer = LlmServicer(settings, loaded, redis)
-    server = grpc.aio.server()
-    llm_grpc.add_LlmServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    llm, _ = load("llm")
+    options = LlmOptions(model=str(tiny_llm_dir), dtype="float64", max_batch_size=4, drafter="suffix")
     questions = ("Why do cats purr?", "How do bees make honey?")
     lengths = (40, 24)
-    try:
-        sessions = [await redis.sessions.create("") for _ in questions]
-        turns = [await redis.turns.create(s) for s in sessions]
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = llm_grpc.LlmStub(channel)
+    async with llm_on_loopback(redis_url, options) as service:
+        sessions = [await service.redis.sessions.create("") for _ in questions]
+        turns = [await service.redis.turns.create(s) for s in sessions]
 
-            async def reply(i: int) -> list:
-                request = llm.ReplyRequest(session_id=sessions[i], turn_id=turns[i], user_text=questions[i],
-                                           max_new_tokens=lengths[i])
-                return [step async for step in stub.Reply(request)]
+        async def reply(i: int) -> list:
+            request = llm.ReplyRequest(session_id=sessions[i], turn_id=turns[i], user_text=questions[i],
+                                       max_new_tokens=lengths[i])
+            return [step async for step in service.stub.Reply(request)]
 
-            replies = await asyncio.gather(reply(0), reply(1))
-    finally:
-        await server.stop(None)
-        await redis.close()
+        replies = await asyncio.gather(reply(0), reply(1))
+    servicer, loaded = service.servicer, service.loaded
     assert servicer.scheduler is not None and max(servicer.scheduler.decoder.counters.widths) == 2
     for question, length, steps in zip(questions, lengths, replies, strict=True):
         prompt = fit_history(loaded.tokenizer, Task.DIALOGUE, question, DEFAULT_PERSONA, (),

@@ -10,6 +10,7 @@ import torch
 from pipeline.llm.end_of_turn import EndOfTurnScorer, normalise
 from pipeline.llm.model import LlmOptions, load_model
 from pipeline.llm.prompts import Exchange
+from tests.conftest import llm_on_loopback
 
 # A sentence cut where a speaker might pause, and the same sentence complete. Written for this
 # test, not tuned to pass: the assertions ask for an ordering over most pairs, not values.
@@ -107,41 +108,27 @@ async def test_the_llm_service_scores_the_sessions_conversation_beside_a_reply(r
 
     import grpc
 
-    from services.llm_service import LlmServicer
     from services.protos import load
-    from services.runtime import open_redis
-    from services.settings import Settings
 
-    llm, llm_grpc = load("llm")
-    settings = Settings(redis_url=redis_url, llm=LlmOptions(model=str(tiny_llm_dir), dtype="float64"))
-    loaded = load_model(settings.llm)
-    redis = await open_redis(settings)
-    servicer = LlmServicer(settings, loaded, redis)
-    server = grpc.aio.server()
-    llm_grpc.add_LlmServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    llm, _ = load("llm")
     history = (Exchange("Hi.", "Hello! How can I help?"),)
-    try:
+    async with llm_on_loopback(redis_url, LlmOptions(model=str(tiny_llm_dir), dtype="float64")) as service:
+        redis, stub = service.redis, service.stub
         session = await redis.sessions.create("Be brief.")
         await redis.sessions.append(session, history[0])
         turn = await redis.turns.create(session)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = llm_grpc.LlmStub(channel)
-            reply = stub.Reply(llm.ReplyRequest(session_id=session, turn_id=turn, user_text="Tell me a story.",
-                                                max_new_tokens=24, defer_history=True))
-            scores = await asyncio.gather(
-                *(stub.EndOfTurn(llm.EndOfTurnRequest(session_id=session, user_text=t))
-                  for t in ("Can you tell me", "Can you tell me the time?")),
-                stub.EndOfTurn(llm.EndOfTurnRequest(session_id=session, user_text="Hi", system_prompt="Other.")))
-            steps = [step async for step in reply]
-            with pytest.raises(grpc.aio.AioRpcError) as empty:
-                await stub.EndOfTurn(llm.EndOfTurnRequest(session_id=session, user_text="  "))
-            with pytest.raises(grpc.aio.AioRpcError) as unknown:
-                await stub.EndOfTurn(llm.EndOfTurnRequest(session_id="nope", user_text="Hello"))
-    finally:
-        await server.stop(None)
-        await redis.close()
+        reply = stub.Reply(llm.ReplyRequest(session_id=session, turn_id=turn, user_text="Tell me a story.",
+                                            max_new_tokens=24, defer_history=True))
+        scores = await asyncio.gather(
+            *(stub.EndOfTurn(llm.EndOfTurnRequest(session_id=session, user_text=t))
+              for t in ("Can you tell me", "Can you tell me the time?")),
+            stub.EndOfTurn(llm.EndOfTurnRequest(session_id=session, user_text="Hi", system_prompt="Other.")))
+        steps = [step async for step in reply]
+        with pytest.raises(grpc.aio.AioRpcError) as empty:
+            await stub.EndOfTurn(llm.EndOfTurnRequest(session_id=session, user_text="  "))
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await stub.EndOfTurn(llm.EndOfTurnRequest(session_id="nope", user_text="Hello"))
+    loaded = service.loaded
     assert steps[-1].end
     assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND

@@ -11,7 +11,6 @@ as the target decodes that request.
 
 from __future__ import annotations
 
-import grpc
 import pytest
 
 from pipeline.llm.budget import (
@@ -29,6 +28,7 @@ from pipeline.llm.budget import (
     PromptChoice,
     TurnBudget,
 )
+from tests.conftest import llm_on_loopback
 
 NOW_MS = 1_700_000_000_000
 # 40 ms a plain step, 2 ms a prefilled token; the suffix drafter commits a token for 25 ms.
@@ -133,40 +133,27 @@ def test_the_meter_starts_from_conservative_priors_and_follows_measurements():
 
 async def test_a_one_ms_budget_through_the_service_completes_with_every_degradation(redis_url, tiny_llm_dir):
     from pipeline.llm.engine import GenerationRequest, Generator
-    from pipeline.llm.model import LlmOptions, load_model
+    from pipeline.llm.model import LlmOptions
     from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, fit_history
-    from services.llm_service import LlmServicer
     from services.protos import load, load_common
     from services.redis_store import now_ms
-    from services.runtime import open_redis
-    from services.settings import Settings
 
-    llm, llm_grpc = load("llm")
+    llm, _ = load("llm")
     common = load_common()
-    settings = Settings(redis_url=redis_url, llm=LlmOptions(model=str(tiny_llm_dir), dtype="float64",
-                                                            prefix_cache_sessions=0))
-    loaded = load_model(settings.llm)
-    redis = await open_redis(settings)
-    servicer = LlmServicer(settings, loaded, redis)
-    server = grpc.aio.server()
-    llm_grpc.add_LlmServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    options = LlmOptions(model=str(tiny_llm_dir), dtype="float64", prefix_cache_sessions=0)
     history = (Exchange("Hello there.", "Hi! How can I help?"), Exchange("Tell me a joke.", "Why did the cat sit?"))
-    try:
+    async with llm_on_loopback(redis_url, options) as service:
+        redis = service.redis
         session = await redis.sessions.create("")
         for exchange in history:
             await redis.sessions.append(session, exchange)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            spoke = now_ms()
-            request = llm.ReplyRequest(session_id=session, turn_id=await redis.turns.create(session),
-                                       user_text="Why do cats purr?", max_new_tokens=64, defer_history=True,
-                                       budget=common.TurnBudget(budget_ms=1, speech_end_unix_ms=spoke,
-                                                                deadline_unix_ms=spoke + 1))
-            steps = [step async for step in llm_grpc.LlmStub(channel).Reply(request)]
-    finally:
-        await server.stop(None)
-        await redis.close()
+        spoke = now_ms()
+        request = llm.ReplyRequest(session_id=session, turn_id=await redis.turns.create(session),
+                                   user_text="Why do cats purr?", max_new_tokens=64, defer_history=True,
+                                   budget=common.TurnBudget(budget_ms=1, speech_end_unix_ms=spoke,
+                                                            deadline_unix_ms=spoke + 1))
+        steps = [step async for step in service.stub.Reply(request)]
+    settings, loaded = service.settings, service.loaded
     last = steps[-1]
     assert last.end and last.finish_reason in ("eos", "length")
     assert list(last.times.degradations) == [DRAFT_SHORTENED, REPLY_CAPPED, HISTORY_DROPPED]

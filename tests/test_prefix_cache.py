@@ -15,7 +15,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
 import pytest
 import torch
 
@@ -26,8 +25,7 @@ from pipeline.llm.prefix_cache import PrefixCache, common_prefix
 from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, chat_messages, encode_chat
 from services.grpc_server import ModelWorker
 from services.protos import load
-from services.runtime import open_redis
-from services.settings import Settings
+from tests.conftest import llm_on_loopback
 
 QUESTIONS = ("What is the capital of France?", "And what about Germany?", "Which of the two cities is bigger?")
 MAX_NEW = 24
@@ -201,32 +199,19 @@ def test_a_taken_cache_is_rolled_back_to_the_common_prefix():
 
 async def test_the_service_reports_the_cached_prefix_of_a_sessions_second_reply(redis_url, tiny_llm_dir):
     """Through the gRPC servicer, its default batched path, with a system prompt of the request's own."""
-    from services.llm_service import LlmServicer
-
-    llm, llm_grpc = load("llm")
-    settings = Settings(redis_url=redis_url, llm=LlmOptions(model=str(tiny_llm_dir), dtype="float64"))
-    loaded = load_model(settings.llm)
-    redis = await open_redis(settings)
-    servicer = LlmServicer(settings, loaded, redis)
-    server = grpc.aio.server()
-    llm_grpc.add_LlmServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    llm, _ = load("llm")
     persona = "You are a terse pirate."
-    try:
+    async with llm_on_loopback(redis_url, LlmOptions(model=str(tiny_llm_dir), dtype="float64")) as service:
+        redis, stub = service.redis, service.stub
         session = await redis.sessions.create("")
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = llm_grpc.LlmStub(channel)
-            replies = []
-            for question in QUESTIONS[:2]:
-                request = llm.ReplyRequest(session_id=session, turn_id=await redis.turns.create(session),
-                                           user_text=question, max_new_tokens=12, system_prompt=persona)
-                replies.append([step async for step in stub.Reply(request)])
-            capabilities = await stub.Capabilities(llm.CapabilitiesRequest())
+        replies = []
+        for question in QUESTIONS[:2]:
+            request = llm.ReplyRequest(session_id=session, turn_id=await redis.turns.create(session),
+                                       user_text=question, max_new_tokens=12, system_prompt=persona)
+            replies.append([step async for step in stub.Reply(request)])
+        capabilities = await stub.Capabilities(llm.CapabilitiesRequest())
         history = await redis.sessions.history(session)
-    finally:
-        await server.stop(None)
-        await redis.close()
+    settings, loaded = service.settings, service.loaded
     first, second = replies
     assert first[0].prefix_cached_tokens == 0 and second[0].prefix_cached_tokens > 0
     assert all(step.prefix_cached_tokens == 0 for step in second[1:])
