@@ -84,3 +84,18 @@ async def test_turns_belong_to_their_session(client):
         await turns.require(turn, "session-b")
     with pytest.raises(UnknownTurnError, match="unknown turn"):
         await turns.require("nope", "session-a")
+
+
+async def test_a_session_in_use_does_not_expire_and_keeps_what_was_heard(client):
+    sessions = SessionStore(client, ttl_s=2)
+    session = await sessions.create("Be brief.", '{"budgetMs": 800}')
+    await sessions.append(session, Exchange("Tell me a story.", "Once upon a", cut_off=True))
+    for _ in range(3):  # 3 s of turns, each pushing the 2 s expiry ahead
+        await asyncio.sleep(1.0)
+        await sessions.touch(session)
+    assert (await sessions.require(session))["config"] == '{"budgetMs": 800}'
+    assert await sessions.history(session) == (Exchange("Tell me a story.", "Once upon a", cut_off=True),)
+    await asyncio.sleep(2.2)  # left alone, it goes
+    with pytest.raises(UnknownSessionError):
+        await sessions.require(session)
+    assert await sessions.history(session) == ()
