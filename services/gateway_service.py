@@ -427,12 +427,11 @@ class Conversation:
         counts = over.counts
         if over.finish_reason in ("interrupted", "cancelled"):
             self.unheard.add(over.turn_id)
-        finish = over.finish_reason if over.finish_reason != "cancelled" or not work.finish_reason else "cancelled"
         self.events.put_nowait(pb.ServerEvent(turn_id=work.turn_id, report=pb.TurnReport(
             transcript=work.user_text, reply_text=work.reply_text.strip(), speech_end_s=work.transcript.speech_end_s,
             speech_end_unix_ms=work.speech_end_unix_ms, first_audio_sent_unix_ms=work.first_audio_sent_unix_ms,
             stages=[*work.stage_times, work.clock.to_proto(common.StageTimes)], budget_ms=self.config.budget_ms,
-            finish_reason=finish, error=work.error, preemption=over.preemption,
+            finish_reason=over.finish_reason, error=work.error, preemption=over.preemption,
             preemptions_kept=counts.preemptions_kept, preemptions_dropped=counts.preemptions_dropped,
             heard_text=over.heard_text, cut_off=over.cut_off, budget_missed=missed, degradations=degradations,
             pauses=over.pauses, resumes=over.resumes, interrupts=over.interrupts, session_pauses=counts.pauses,
@@ -478,7 +477,6 @@ class Conversation:
                 webvtt=webvtt_document(lines) if Config.WEBVTT in formats else "",
                 srt=srt_document(lines) if Config.SRT in formats else "")
             work.clock.emitted()
-            work.first_audio_sent_unix_ms = 0
             self.events.put_nowait(pb.ServerEvent(turn_id=work.turn_id, caption=caption))
         except grpc.aio.AioRpcError as e:
             work.finish_reason, work.error = "error", f"{e.code().name}: {e.details()}"
