@@ -81,7 +81,9 @@ async def test_barge_in_pauses_then_interrupts_and_only_the_heard_words_are_reme
     assert spoken_over.report["cut_off"] and heard
     assert len(heard.split()) < len(spoken_over.report["reply_text"].split())
     assert spoken_over.report["reply_text"].startswith(heard.split()[0])
-    assert spoken_over.report["pauses"] == 1 and spoken_over.report["interrupts"] == 1
+    # "Stop," and its pause may make two bursts of voice: each pauses, the first one resumes.
+    report = spoken_over.report
+    assert report["interrupts"] == 1 and report["pauses"] >= 1 and report["resumes"] == report["pauses"] - 1
     nxt = answered(turns)[-1]
     assert "spain" in nxt.transcript.lower() and nxt.report["voice_to_voice_ms"] is not None
     past = await history(stack, spoken_over.report["session_id"])
