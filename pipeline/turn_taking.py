@@ -28,6 +28,7 @@ The rules, in the terms of Pipecat's and LiveKit Agents' turn handling:
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ DEFAULT_BACKCHANNELS = (
     "okay", "ok", "right", "sure", "alright", "i see", "got it", "cool", "nice", "wow", "oh", "ah",
     "uh", "um",
 )
+# Whisper's spellings of a hum ("Mmmmm", "mm-m-m", "N M M", "hmmm"): letters m, n and h alone.
+MURMUR = re.compile(r"[mnh]+")
 HEARD_WORD_SLACK_S = 0.05  # a word counts as heard once playback passed its end, less this
 
 
@@ -550,7 +553,8 @@ class TurnTaking:
         # the words count once each.
         if len(set(words)) > self.options.backchannel_max_words:
             return False
-        return "".join(words) in self._backchannel_phrases or all(w in self._backchannel_words for w in words)
+        return "".join(words) in self._backchannel_phrases or all(
+            w in self._backchannel_words or MURMUR.fullmatch(w) for w in words)
 
 
 def _words(text: str) -> list[str]:

@@ -145,7 +145,7 @@ def test_barge_in_while_the_reply_is_still_written_cancels_its_work():
 
 
 @pytest.mark.parametrize("said", ["Yeah.", "mm-hmm", "Okay, okay.", "Right.", "Uh-huh.",
-                                  "yeah yeah yeah yeah yeah", "ok ok ok ok ok"])
+                                  "yeah yeah yeah yeah yeah", "ok ok ok ok ok", "Mmmmmm", "N M M", "mm-m-m"])
 def test_a_backchannel_pauses_then_resumes_and_the_reply_completes(said):
     talk = Talk()
     turn = confirmed_turn(talk)
