@@ -368,6 +368,7 @@ def row(result, line: Line, session: int, sessions: int, said_index: int) -> dic
         "pauses": report["pauses"], "resumes": report["resumes"], "interrupts": report["interrupts"],
         "cut_off": report["cut_off"], "heard_text": report["heard_text"],
         "reply_audio_s": report["reply_audio_s"], "prefix_cached_tokens": report["prefix_cached_tokens"],
+        "end_of_turn_probability": report["end_of_turn_probability"], "end_of_turn_ms": report["end_of_turn_ms"],
         "stages": report["stages"],
     }
 

@@ -343,6 +343,7 @@ def report_dict(turn: TurnResult, report, started_unix_s: float) -> dict:
         "resumes": report.resumes,
         "interrupts": report.interrupts,
         "end_of_turn_probability": round(report.end_of_turn_probability, 4),
+        "end_of_turn_ms": report.end_of_turn_ms,
         "prefix_cached_tokens": report.prefix_cached_tokens,
         "mode": report.mode,
         "reply_audio_s": round(audio_s, 3),

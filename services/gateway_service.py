@@ -131,6 +131,7 @@ class TurnWork:
     # Set once the end-of-turn score is in (or none is asked for): the score prefills the
     # session's conversation on llm's prefix cache, then the reply's own prefill is a few tokens.
     scored: asyncio.Event = field(default_factory=asyncio.Event)
+    end_of_turn_ms: int = 0
 
     def cancel(self) -> None:
         for task in self.tasks:
@@ -391,6 +392,7 @@ class Conversation:
         work.tasks.append(asyncio.create_task(self._end_of_turn(work, action)))
 
     async def _end_of_turn(self, work: TurnWork, action: ScoreEndOfTurn) -> None:
+        asked_ms = now_ms()
         try:
             score = await self.servicer.stubs.llm.EndOfTurn(llm_pb.EndOfTurnRequest(
                 session_id=self.session_id, user_text=action.user_text, system_prompt=self.config.system_prompt))
@@ -400,6 +402,7 @@ class Conversation:
             probability = 1.0
         finally:
             work.scored.set()
+            work.end_of_turn_ms = now_ms() - asked_ms
         await self.handle(EndOfTurnScored(action.turn_id, probability))
 
     def _announce_final(self, action: AnnounceFinal) -> None:
@@ -438,7 +441,7 @@ class Conversation:
             session_resumes=counts.resumes, session_interrupts=counts.interrupts,
             session_budget_misses=self.budget_misses, session_degradations=self.degradations,
             end_of_turn_probability=over.end_of_turn_probability, mode=work.mode,
-            prefix_cached_tokens=work.prefix_cached_tokens,
+            prefix_cached_tokens=work.prefix_cached_tokens, end_of_turn_ms=work.end_of_turn_ms,
         )))
 
     # -- caption mode ----------------------------------------------------------------------
