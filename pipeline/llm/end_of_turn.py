@@ -25,7 +25,8 @@ voices; docs/benchmarks.md):
   ~77 ms for one pass (`strip`). It separated closes at the end of a turn from closes at a
   pause best (AUC 0.89 on the Piper voice, 0.68 on espeak-ng, whose transcripts are poor).
 - `raw` (the text as written), `strip` (trailing punctuation removed, one pass), `lower`
-  (LiveKit's normalisation, one pass) and `lower-marks` are there for the benchmark.
+  (LiveKit's normalisation, one pass), `lower-marks` and `unpunct-marks` (all punctuation
+  removed, the case kept) are there for the benchmark.
 
 The scorer is pure torch over `LoadedModel` (its lean pass where it has one): no server, no
 thread of its own. The llm service runs it on its model thread, between decode steps.
@@ -48,7 +49,7 @@ from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, chat_messages
 
 END_OF_TURN_TOKEN = "<|im_end|>"  # ChatML's end of a message (SmolLM2, Qwen, ...)
 END_MARKS = (".", "?", "!")  # the marks a message may end with, folded into `marks`
-NORMALISATIONS = ("marks", "raw", "strip", "lower", "lower-marks")
+NORMALISATIONS = ("marks", "raw", "strip", "lower", "lower-marks", "unpunct-marks")
 DEFAULT_NORMALISATION = "marks"
 # The policy measured by `specvox bench end-of-turn` (docs/benchmarks.md): when an utterance closes,
 # the turn is complete if the score is at least COMPLETE_THRESHOLD; otherwise wait up to
@@ -80,6 +81,8 @@ def normalise(text: str, normalisation: str = DEFAULT_NORMALISATION) -> str:
         return " ".join(_PUNCTUATION.sub(" ", text.lower()).split())
     if normalisation in ("strip", "marks"):
         return _TRAILING.sub("", text)
+    if normalisation == "unpunct-marks":  # LiveKit's, keeping the case (and so the user's tokens, mostly)
+        return " ".join(_PUNCTUATION.sub(" ", text).split())
     raise ValueError(f"unknown end-of-turn normalisation {normalisation!r}: choose one of {', '.join(NORMALISATIONS)}")
 
 
