@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipeline.asr_stream import norm_word, normalised_text
@@ -286,8 +286,6 @@ class _Turn:
     utterance: int
     text: str  # this utterance's words
     user_text: str  # what the reply answers: words the user said before it went unanswered, then `text`
-    started_s: float
-    preemptive: bool
     confirmed: bool = False
     final_seen: bool = False  # the utterance's final arrived (a preemptive turn waits for it)
     final_s: float = 0.0
@@ -400,7 +398,7 @@ class TurnTaking:
             # utterance they make up is transcribed.)
             if not text or event.confidence < self.options.min_interrupt_confidence:
                 return self._resume(now_s, "noise")
-            if self._backchannel(text, partial=False):
+            if self._backchannel(text):
                 return self._resume(now_s, "backchannel")
             actions += self._interrupt(now_s)
         t = self.turn
@@ -486,10 +484,7 @@ class TurnTaking:
 
     def _start(self, utterance: int, text: str, now_s: float, preemptive: bool) -> list[Action]:
         user_text = " ".join(x for x in (self.unanswered, text) if x)
-        if self.turn and not self.turn.audio_sent:
-            self.turn = None  # (its cancel was issued by the caller)
-        turn = _Turn(self._new_id(), utterance, text, user_text, now_s, preemptive,
-                     final_seen=not preemptive, final_s=now_s)
+        turn = _Turn(self._new_id(), utterance, text, user_text, final_seen=not preemptive, final_s=now_s)
         actions: list[Action] = []
         if self.turn is not None:  # a reply still heard while a new turn starts: it is over now
             actions += self._interrupt(now_s)
@@ -544,11 +539,11 @@ class TurnTaking:
         return [*actions, TurnOver(t.turn_id, reason, heard_text, cut_off, t.preemption, t.score, t.pauses,
                                    t.resumes, t.interrupts, self.counts)]
 
-    def _backchannel(self, text: str, partial: bool) -> bool:
-        """Only words of the backchannel list, and few of them (a partial may still grow)."""
+    def _backchannel(self, text: str) -> bool:
+        """Only words of the backchannel list, and few of them."""
         words = _words(text)
         if not words:
-            return partial  # nothing legible yet
+            return False
         # Whisper tends to repeat a short sound ("yeah yeah yeah yeah yeah" for one "Yeah."):
         # the words count once each.
         if len(set(words)) > self.options.backchannel_max_words:
@@ -564,7 +559,3 @@ def _words(text: str) -> list[str]:
 def _add(counts: ConversationCounts, **more: int) -> ConversationCounts:
     return ConversationCounts(**{k: v + more.get(k, 0) for k, v in vars(counts).items()})
 
-
-def backchannel_list(words: Iterable[str]) -> tuple[str, ...]:
-    """A configured list, tidied (lower case, no empties)."""
-    return tuple(w.strip().lower() for w in words if w.strip())
