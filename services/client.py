@@ -157,7 +157,7 @@ async def converse_script(address: str, script: list[Say], fmt: PcmFormat,
     speaker = Loudspeaker()
     turns: dict[str, TurnResult] = {}
     partials: list = []  # the user's words while they spoke (not part of any turn)
-    state: dict[str, list[float]] = {"said_at_s": []}  # where each utterance begins in the input
+    said_at_s: list[float] = []  # where each utterance begins in the input
     answered_before: list[int] = [0]  # answered turns when each utterance began
     playing_at_say: set[str] = {""}  # the loudspeaker's turn whenever an utterance began (not its reply)
     t0 = time.monotonic()
@@ -183,7 +183,7 @@ async def converse_script(address: str, script: list[Say], fmt: PcmFormat,
                                                             for t in turns.values())
 
         def due(say: Say, heard_since: float | None) -> bool:
-            if not state["said_at_s"]:
+            if not said_at_s:
                 return True
             if say.barge_in_after_s is not None:  # speak over the reply to the last utterance, as it plays
                 fresh = speaker.turn_id not in playing_at_say
@@ -204,7 +204,7 @@ async def converse_script(address: str, script: list[Say], fmt: PcmFormat,
                 heard_since = (heard_since or now_s()) if heard else None
                 if not speech and pending and due(pending[0], heard_since):
                     speech = pending.pop(0).pcm
-                    state["said_at_s"].append(sent / fmt.bytes_per_s)
+                    said_at_s.append(sent / fmt.bytes_per_s)
                     answered_before.append(answered())
                     playing_at_say.add(speaker.turn_id)
                     heard_since = None
@@ -266,7 +266,7 @@ async def converse_script(address: str, script: list[Say], fmt: PcmFormat,
         results = list(turns.values())
         for result in results:
             if result.report:
-                result.report |= {"session_id": session_id, "said_at_s": state["said_at_s"]}
+                result.report |= {"session_id": session_id, "said_at_s": said_at_s}
         return results
 
 

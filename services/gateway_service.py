@@ -284,14 +284,18 @@ class Conversation:
 
     # -- a dialogue turn -------------------------------------------------------------------
 
-    async def _start_turn(self, action: StartTurn) -> None:
-        transcript = self.finals[action.utterance]
-        await self.servicer.redis.turns.create(self.session_id, action.turn_id)
+    async def _open_work(self, turn_id: str, user_text: str, utterance: int, mode: str) -> TurnWork:
+        """A turn's Redis record (llm and tts check it), the session's expiry pushed ahead, its work."""
+        transcript = self.finals[utterance]
+        await self.servicer.redis.turns.create(self.session_id, turn_id)
         await self.servicer.redis.sessions.touch(self.session_id)
-        work = TurnWork(action.turn_id, action.user_text, transcript,
-                        self.arrivals.arrival_ms(transcript.speech_end_s))
+        work = TurnWork(turn_id, user_text, transcript, self.arrivals.arrival_ms(transcript.speech_end_s), mode=mode)
         work.clock.received()
-        self.work[work.turn_id] = work
+        self.work[turn_id] = work
+        return work
+
+    async def _start_turn(self, action: StartTurn) -> None:
+        work = await self._open_work(action.turn_id, action.user_text, action.utterance, "dialogue")
         work.tasks.append(asyncio.create_task(self._run_turn(work)))
 
     def _budget(self, work: TurnWork):
@@ -447,15 +451,10 @@ class Conversation:
     # -- caption mode ----------------------------------------------------------------------
 
     async def _start_caption(self, action: StartCaption) -> None:
-        final = self.finals[action.utterance]
-        await self.servicer.redis.turns.create(self.session_id, action.turn_id)
-        await self.servicer.redis.sessions.touch(self.session_id)
-        work = TurnWork(action.turn_id, action.text, final, self.arrivals.arrival_ms(final.speech_end_s),
-                        mode="caption")
-        work.clock.received()
+        work = await self._open_work(action.turn_id, action.text, action.utterance, "caption")
+        final = work.transcript
         if final.HasField("times"):
             work.stage_times.append(final.times)
-        self.work[work.turn_id] = work
         self.events.put_nowait(pb.ServerEvent(turn_id=work.turn_id, transcript=_transcript(final, final=True)))
         work.tasks.append(asyncio.create_task(self._run_caption(work)))
 

@@ -17,6 +17,7 @@ import grpc
 
 from pipeline.llm.batch import BatchedDecoder, BatchScheduler
 from pipeline.llm.budget import BudgetOptions, BudgetPolicy, Plan, PromptChoice, TurnBudget
+from pipeline.llm.end_of_turn import EndOfTurnScorer
 from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator
 from pipeline.llm.model import LoadedModel, load_model
 from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, fit_history
@@ -47,6 +48,12 @@ class LlmServicer(pb_grpc.LlmServicer):
         # Other than 1, concurrent replies share each verification pass (BatchedDecoder checks the size).
         batch = settings.llm.max_batch_size
         self.scheduler = BatchScheduler(BatchedDecoder(self.generator, batch), self.worker.call) if batch != 1 else None
+        # With a prefix cache the end-of-turn score runs on the session's conversation as the reply
+        # will see it (all the history that fits), so that the reply reuses what the score prefilled.
+        self._scored_cache = self.generator.prefix_cache if self.generator.prefix_cache.sessions else None
+        # Built at the first EndOfTurn: a model that is not ChatML still serves Reply, and only
+        # EndOfTurn says why it cannot score.
+        self._end_of_turn: EndOfTurnScorer | None = None
         self.policy = BudgetPolicy(BudgetOptions(degraded_max_new_tokens=settings.llm.degraded_max_new_tokens,
                                                  degraded_max_draft_tokens=settings.llm.degraded_max_draft_tokens))
 
@@ -100,18 +107,12 @@ class LlmServicer(pb_grpc.LlmServicer):
                 raise ValueError("user_text is empty")
             persona = request.system_prompt or session.get("system_prompt") or DEFAULT_PERSONA
             history = await self.sessions.history(request.session_id)
-            if getattr(self, "_end_of_turn", None) is None:  # built at the first call: a few token lookups
-                from pipeline.llm.end_of_turn import EndOfTurnScorer
-
-                # With a prefix cache the score runs on the session's conversation as the reply will
-                # see it (all the history that fits), so that the reply reuses what the score prefilled.
-                cached = self.generator.prefix_cache.sessions > 0
-                self._end_of_turn = EndOfTurnScorer(
-                    self.loaded, **({"max_history_exchanges": 1_000,
-                                     "max_history_tokens": self.loaded.context_tokens} if cached else {}))
-            cache = self.generator.prefix_cache if self.generator.prefix_cache.sessions else None
-            result = await self.worker.call(lambda: self._end_of_turn.score(
-                request.user_text, persona, history, prefix_cache=cache, session_key=request.session_id))
+            scorer = self._end_of_turn = self._end_of_turn or EndOfTurnScorer(
+                self.loaded, **({"max_history_exchanges": 1_000, "max_history_tokens": self.loaded.context_tokens}
+                                if self._scored_cache is not None else {}))
+            result = await self.worker.call(lambda: scorer.score(
+                request.user_text, persona, history, prefix_cache=self._scored_cache,
+                session_key=request.session_id))
             return pb.EndOfTurnScore(probability=result.probability, prompt_tokens=result.prompt_tokens,
                                      compute_ms=result.compute_ms)
 
