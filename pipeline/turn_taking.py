@@ -317,6 +317,7 @@ class TurnTaking:
         self.turn: _Turn | None = None  # the turn being written, spoken or heard
         self.unanswered = ""  # the user's words since the last reply they heard
         self.paused_since_s: float | None = None  # the avatar was spoken over: playback paused
+        self.voice_active = False  # the VAD hears voice that no final has closed yet
         self.client_done = False
         self.counts = ConversationCounts()
         phrases = [normalised_text(b.replace("-", " ")) for b in options.backchannels]
@@ -357,9 +358,11 @@ class TurnTaking:
         return actions + self._timers(now_s)
 
     def _on_VoiceStarted(self, event: VoiceStarted, now_s: float) -> list[Action]:  # noqa: N802
+        self.voice_active = True
         return self._pause(now_s)
 
     def _on_VoiceEnded(self, event: VoiceEnded, now_s: float) -> list[Action]:  # noqa: N802
+        self.voice_active = False
         return self._resume(now_s, "noise")
 
     def _on_SpeechStarted(self, event: SpeechStarted, now_s: float) -> list[Action]:  # noqa: N802
@@ -389,6 +392,7 @@ class TurnTaking:
         return self._start(event.utterance, event.text, now_s, preemptive=True)
 
     def _on_Final(self, event: Final, now_s: float) -> list[Action]:  # noqa: N802
+        self.voice_active = False
         text = event.text.strip()
         if self.caption_mode:
             return [StartCaption(self._new_id(), event.utterance, text)] if text else []
@@ -466,7 +470,10 @@ class TurnTaking:
         if t and not t.confirmed and t.final_seen:
             o = self.options
             complete = o.end_of_turn_threshold <= 0 or t.score >= o.end_of_turn_threshold
-            if complete or now_s - t.final_s >= o.incomplete_wait_s:
+            # The wait after a low score ends in silence: voice heard again (speech begins 200 ms
+            # into it, so SpeechStarted may not be here yet) holds the turn until it is decided.
+            waited = now_s - t.final_s >= o.incomplete_wait_s and not self.voice_active
+            if complete or waited:
                 t.confirmed = True
                 actions.append(ConfirmTurn(t.turn_id))
         if self.paused_since_s is not None and now_s - self.paused_since_s >= self.options.pause_max_s:

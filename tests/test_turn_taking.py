@@ -106,6 +106,23 @@ def test_a_low_score_confirms_after_the_wait():
     assert of(talk(Tick(), at=0.61), ConfirmTurn) == [ConfirmTurn(turn)]
 
 
+def test_voice_heard_again_during_the_wait_holds_the_turn_until_it_is_decided():
+    talk = Talk(end_of_turn_threshold=0.5, incomplete_wait_s=0.6)
+    turn = of(talk(Final(0, "Hello,")), StartTurn)[0].turn_id
+    talk(EndOfTurnScored(turn, 0.01), at=0.1)
+    talk(VoiceStarted(), at=0.5)  # the user goes on; speech is not yet certain
+    assert of(talk(Tick(), at=0.7), ConfirmTurn) == []  # the wait is over, but voice is heard
+    assert of(talk(SpeechStarted(1), at=0.75), CancelTurn) == [CancelTurn(turn)]
+    assert of(talk(Final(1, "can you tell me the time?"), at=2.0), StartTurn)[0].user_text == (
+        "Hello, can you tell me the time?")
+    # Voice that turns out to be noise lets the wait end.
+    talk = Talk(end_of_turn_threshold=0.5, incomplete_wait_s=0.6)
+    turn = of(talk(Final(0, "So")), StartTurn)[0].turn_id
+    talk(VoiceStarted(), at=0.5)
+    assert of(talk(Tick(), at=0.7), ConfirmTurn) == []
+    assert of(talk(VoiceEnded(), at=0.8), ConfirmTurn) == [ConfirmTurn(turn)]
+
+
 def test_a_threshold_of_zero_confirms_at_the_final():
     talk = Talk(end_of_turn_threshold=0.0)
     actions = talk(Final(0, "Hi"))
