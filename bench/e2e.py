@@ -239,9 +239,12 @@ def segments(lines: list[Line]) -> list[list[Line]]:
 
 # ---- conversations ------------------------------------------------------------------------
 
-async def run_session(address: str, session: int, sessions: int, lines: list[Line]) -> list[Outcome]:
+async def run_session(address: str, session: int, sessions: int, lines: list[Line], api_key: str = "",
+                      tls=None) -> list[Outcome]:
+    """`api_key`, `tls`: what the gateway asks of a client (auth.api_key, tls.*; none by default)."""
     import grpc
 
+    from services.channels import open_channel
     from services.client import ClientOptions, Say, converse_script, pb, pb_grpc
 
     await asyncio.sleep(session * SESSION_STAGGER_S)
@@ -250,13 +253,13 @@ async def run_session(address: str, session: int, sessions: int, lines: list[Lin
     session_id = ""
     for segment in segments(lines):
         if not session_id or segment[0].turn % len(KINDS) == 0:  # each cycle of KINDS: a fresh session
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with open_channel(address, secret=api_key, tls=tls) as channel:
                 session_id = (await pb_grpc.GatewayStub(channel).CreateSession(
                     pb.CreateSessionRequest(config=config))).session_id
         ends_in_backchannel = segment[-1].kind == "backchannel-word"
         options = ClientOptions(chunk_ms=CHUNK_MS, wait_for_replies=not ends_in_backchannel,
                                 trailing_silence_s=BACKCHANNEL_TAIL_S if ends_in_backchannel else 0.5,
-                                session_id=session_id)
+                                session_id=session_id, api_key=api_key, tls=tls)
         says = [Say(float_to_pcm16(line.samples), barge_in_after_s=line.barge_in_after_s, label=line.kind)
                 for line in segment]
         try:
@@ -521,9 +524,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def _run_sessions(address: str, scripts: list[list[Line]]) -> list[Outcome]:
+async def _run_sessions(address: str, scripts: list[list[Line]], settings) -> list[Outcome]:
     n = len(scripts)
-    done = await asyncio.gather(*(run_session(address, i, n, lines) for i, lines in enumerate(scripts)))
+    done = await asyncio.gather(*(run_session(address, i, n, lines, settings.auth.api_key, settings.tls)
+                                  for i, lines in enumerate(scripts)))
     return [o for outcomes in done for o in outcomes]
 
 
@@ -549,7 +553,7 @@ def run(settings, session_counts: tuple[int, ...], turns: int, json_path: str | 
         for n in session_counts:
             print(f"{n} session{'s' if n > 1 else ''} × {turns} turns …", flush=True)
             started = time.monotonic()
-            outcomes = asyncio.run(_run_sessions(address, scripts[:n]))
+            outcomes = asyncio.run(_run_sessions(address, scripts[:n], settings))
             results[str(n)] = summarize(n, outcomes, time.monotonic() - started)
             s = results[str(n)]
             print(f"  {s['answered_turns']} answered turns in {s['wall_s']:.0f} s; "

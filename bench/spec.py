@@ -1,7 +1,10 @@
 """`specvox bench spec`: speculative decoding against Hugging Face, same weights, dtype and lengths.
 
 Rows per workload (the dialogue and caption sets of shared/data/prompts.json):
-Hugging Face `generate()` greedy, Hugging Face prompt-lookup assisted generation, specvox
+Hugging Face `generate()` greedy, Hugging Face prompt-lookup assisted generation, llama.cpp
+greedy on the target's own GGUF file (`llama.cpp`, through llama-cpp-python where it is
+installed: the `bench` extra; the row is skipped, with a line saying why, where it is not or
+the target is no GGUF file), specvox
 plain decoding (through the lean Llama pass where the target has one, and through
 transformers' own modules as a control: `specvox-none-transformers`), and specvox with
 each drafter. Throughput is new tokens over wall time, summed
@@ -20,6 +23,7 @@ over, as they do in the service.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import time
 from dataclasses import dataclass, field
@@ -31,10 +35,12 @@ from bench.prompts import load_prompts
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.model import LlmOptions, load_model
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
+from pipeline.models import resolve_llm
 
 FLOAT32_BASELINE = "hf-greedy-float32"  # HF greedy on the float32 target, when the run is in another configuration
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 CONTROL_METHOD = "specvox-none-transformers"  # plain decoding through transformers' modules
+LLAMA_CPP = "llama.cpp"  # greedy on the same GGUF through llama-cpp-python (the `llamacpp` extra)
 
 
 def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
@@ -47,14 +53,17 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
     if settings.llm.dtype != "float32":
         float32 = Generator(load_model(dataclasses.replace(settings.llm, dtype="float32", weights="dense",
                                                            lean_forward=False)))
-    methods = ["hf-greedy", *([FLOAT32_BASELINE] if float32 else []), "hf-prompt-lookup", CONTROL_METHOD,
-               *[f"specvox-{d}" for d in generator.drafters]]
+    llama_cpp = LlamaCpp.for_target(settings.llm.model, loaded.context_tokens)
+    methods = ["hf-greedy", *([FLOAT32_BASELINE] if float32 else []), "hf-prompt-lookup",
+               *([LLAMA_CPP] if llama_cpp else []), CONTROL_METHOD, *[f"specvox-{d}" for d in generator.drafters]]
     print(f"torch threads {torch.get_num_threads()}, {settings.llm.dtype} on {settings.llm.device}", flush=True)
     runners = {CONTROL_METHOD: control, **({FLOAT32_BASELINE: float32} if float32 else {})}
     for hf_runner in (generator, *([float32] if float32 else [])):
         _hf_generate(hf_runner, list(loaded.tokenizer.encode("Hello")), 4, False)  # type: ignore[attr-defined]
     generator.warm_up(drafters=generator.drafters)
     control.warm_up()
+    if llama_cpp:
+        llama_cpp.greedy(list(loaded.tokenizer.encode("Hello")), 4, loaded.eos_token_ids)  # type: ignore[attr-defined]
     rows = []
     for workload in workloads:
         encoded = [encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, p)) for p in prompts[workload][:limit]]
@@ -62,13 +71,15 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
         for i, prompt in enumerate(encoded):  # every method on one prompt, then the next: load drifts alike
             for method in methods:
                 runner = runners.get(method, generator)
-                runs[method].add(*_measure(method, runner, prompt, max_new_tokens, settings.llm))
+                runs[method].add(*_measure(method, runner, prompt, max_new_tokens, settings.llm, llama_cpp))
             print(f"  {workload} prompt {i + 1}/{len(encoded)}: " + ", ".join(
                 f"{m.removeprefix('specvox-')} {t.tokens_per_s:.1f}" for m, t in runs.items())
-                + f"; all identical so far: {all(t.outputs == runs['hf-greedy'].outputs for t in runs.values())}",
+                + "; all identical so far: "
+                + str(all(t.outputs == runs["hf-greedy"].outputs for m, t in runs.items() if m != LLAMA_CPP)),
                 flush=True)
         baseline, reference = runs["hf-greedy"].tokens_per_s, runs["hf-greedy"].outputs
         float32_baseline = runs[FLOAT32_BASELINE].tokens_per_s if float32 else baseline
+        llama_cpp_rate = runs[LLAMA_CPP].tokens_per_s if llama_cpp else None
         for method, tally in runs.items():
             runner = runners.get(method, generator)
             rows.append({
@@ -78,10 +89,11 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
                 "speedup_vs_hf_greedy": round(tally.tokens_per_s / baseline, 3),
                 "mean_accepted_len": round(tally.tokens / tally.steps, 3) if tally.steps else None,
                 "speedup_vs_hf_greedy_float32": round(tally.tokens_per_s / float32_baseline, 3),
+                "speedup_vs_llama_cpp": round(tally.tokens_per_s / llama_cpp_rate, 3) if llama_cpp_rate else None,
                 "identical_to_greedy": tally.outputs == reference,
                 "identical_to_plain": tally.outputs == runs["specvox-none"].outputs,
-                "weights": runner.loaded.weights,
-                "verify_cost_per_token": round(runner.verify_cost.per_token, 4),
+                "weights": "gguf (llama.cpp)" if method == LLAMA_CPP else runner.loaded.weights,
+                "verify_cost_per_token": None if method == LLAMA_CPP else round(runner.verify_cost.per_token, 4),
                 "torch_threads": torch.get_num_threads(),
             })
         if json_path:  # after each set, so a long run that is stopped keeps what it finished
@@ -110,12 +122,15 @@ class _Tally:
         return sum(map(len, self.outputs)) / self.seconds if self.seconds else 0.0
 
 
-def _measure(method: str, generator: Generator, prompt: list[int], max_new: int,
-             options: LlmOptions) -> tuple[list[int], float, int, int]:
+def _measure(method: str, generator: Generator, prompt: list[int], max_new: int, options: LlmOptions,
+             llama_cpp: LlamaCpp | None = None) -> tuple[list[int], float, int, int]:
     """(output without EOS, seconds, target passes, committed tokens) for one prompt."""
     steps = tokens = 0
     started = time.perf_counter()
-    if method.startswith("hf-"):
+    if method == LLAMA_CPP:
+        assert llama_cpp is not None
+        out = llama_cpp.greedy(prompt, max_new, generator.loaded.eos_token_ids)
+    elif method.startswith("hf-"):
         out = _hf_generate(generator, prompt, max_new, method == "hf-prompt-lookup")
     else:
         drafter = "none" if method == CONTROL_METHOD else method.removeprefix("specvox-")
@@ -137,11 +152,54 @@ def _hf_generate(generator: Generator, prompt: list[int], max_new: int, prompt_l
     return out[0, len(prompt):].tolist()
 
 
+class LlamaCpp:
+    """llama.cpp greedy decoding of the target's own GGUF file, through llama-cpp-python.
+
+    The same file the bundled target loads from (transformers dequantizes it; llama.cpp runs its
+    Q4_1 and Q8_0 codes with 8-bit activations, so its tokens may differ from float32's where
+    rounding decides), the same prompt token ids (the file's vocabulary is the tokenizer's), the
+    same torch thread count, and the same stopping tokens. Each prompt starts from an empty
+    cache (`reset`), as every other method does.
+    """
+
+    def __init__(self, gguf: str, threads: int, context_tokens: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=gguf, n_ctx=context_tokens, n_threads=threads, n_threads_batch=threads,
+                         verbose=False)
+
+    @classmethod
+    def for_target(cls, model: str, context_tokens: int) -> LlamaCpp | None:
+        """The runner, or None with a line saying why the row is skipped."""
+        if importlib.util.find_spec("llama_cpp") is None:
+            print(f"{LLAMA_CPP} row skipped: llama-cpp-python is not installed "
+                  "(pip install -e '.[llamacpp]'; it compiles llama.cpp, ~8 minutes on 2 cores)", flush=True)
+            return None
+        ref = resolve_llm(model)
+        if not ref.gguf_file:
+            print(f"{LLAMA_CPP} row skipped: the target {model!r} is not a GGUF file", flush=True)
+            return None
+        return cls(str(Path(ref.name_or_path) / ref.gguf_file), torch.get_num_threads(), context_tokens)
+
+    def greedy(self, prompt: list[int], max_new: int, eos: frozenset[int]) -> list[int]:
+        self.llm.reset()
+        out: list[int] = []
+        for token in self.llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0,
+                                       reset=True):
+            if token in eos:
+                break
+            out.append(int(token))
+            if len(out) >= max_new:
+                break
+        return out
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'workload':<9} {'method':<27} {'tok/s':>8} {'vs HF greedy':>13} {'vs HF fp32':>11} "
-          f"{'accepted/step':>14} {'= HF greedy':>12} {'= plain':>8}")
+          f"{'vs llama.cpp':>13} {'accepted/step':>14} {'= HF greedy':>12} {'= plain':>8}")
     for r in rows:
         accepted = "" if r["mean_accepted_len"] is None else f"{r['mean_accepted_len']:.2f}"
+        versus = "" if r.get("speedup_vs_llama_cpp") is None else f"{r['speedup_vs_llama_cpp']:.2f}x"
         print(f"{r['workload']:<9} {r['method']:<27} {r['tokens_per_s']:>8.1f} {r['speedup_vs_hf_greedy']:>12.2f}x "
-              f"{r['speedup_vs_hf_greedy_float32']:>10.2f}x {accepted:>14} {str(r['identical_to_greedy']):>12} "
-              f"{str(r['identical_to_plain']):>8}")
+              f"{r['speedup_vs_hf_greedy_float32']:>10.2f}x {versus:>13} {accepted:>14} "
+              f"{str(r['identical_to_greedy']):>12} {str(r['identical_to_plain']):>8}")

@@ -37,7 +37,8 @@ def run(settings, turns: int, json_path: str | None) -> int:
     try:
         _wait_ready(up, work / "up.log")
         for text, wav in wavs:
-            results = asyncio.run(converse(settings.address("gateway"), wav, ClientOptions()))
+            results = asyncio.run(converse(settings.address("gateway"), wav,
+                                           ClientOptions(api_key=settings.auth.api_key, tls=settings.tls)))
             reports = [r.report for r in results if r.report]
             # A turn the final contradicted, or one cancelled because the user spoke on before
             # hearing it (its words begin the next turn), answered nothing: the turn after it did.

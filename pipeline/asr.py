@@ -79,6 +79,9 @@ class AsrOptions:
     # is the capital of [France]?": 9 of 32 finals of 8 questions in 4 voices, 2 at 0.3, with no
     # added word kept at either), and a truncated final reads as unfinished to the end-of-turn score.
     tail_min_probability: float = 0.3
+    # ... unless it began at least this long before the VAD's end of speech: whisper's additions
+    # lie at the end of the speech or just before it, a real unsure last word well inside it.
+    tail_keep_inside_ms: int = 150
     transcribe_pad_ms: int = 300  # audio kept either side of the detected speech
     max_utterance_s: float = 25.0  # forced close: Whisper sees at most 30 s
     # Encode only the audio (plus 1-2 s of padding) instead of Whisper's whole 30 s window:
@@ -447,8 +450,10 @@ class Transcriber:
             raise ValueError(f"unknown language {language!r}: use an ISO 639-1 code such as 'en' or 'de'")
         return language
 
-    def transcribe(self, utterance: Utterance, language: str | None = None) -> Transcript:
-        """One decoding pass over the utterance; `language`: None for `options.language`.
+    def transcribe(self, utterance: Utterance, language: str | None = None, prompt: str = "") -> Transcript:
+        """One decoding pass over the utterance; `language`: None for `options.language`; `prompt`:
+        text whisper takes as what was said just before (Whisper's previous-text prompt, Radford et
+        al. 2022, sec. 4.5), which biases it toward those words and their spelling.
 
         faster-whisper's `transcribe` goes on after a window's last word: it encodes and
         decodes the audio from there to the end once more, here the ~0.3 s of padding after
@@ -466,8 +471,9 @@ class Transcriber:
         tokenizer = self._tokenizer(self.options.language if language is None else language, encoder_output)
         max_new_tokens = MAX_TOKENS_PER_S * (1 + int(utterance.audio.size / SAMPLE_RATE_HZ))
         options = replace(self._decoding, max_new_tokens=max_new_tokens)
-        prompt = model.get_prompt(tokenizer, [], without_timestamps=options.without_timestamps)
-        result, avg_logprob, _, _ = model.generate_with_fallback(encoder_output, prompt, tokenizer, options)
+        previous = tokenizer.encode(" " + prompt.strip()) if prompt.strip() else []
+        tokens = model.get_prompt(tokenizer, previous, without_timestamps=options.without_timestamps)
+        result, avg_logprob, _, _ = model.generate_with_fallback(encoder_output, tokens, tokenizer, options)
         if result.no_speech_prob > NO_SPEECH_PROBABILITY and avg_logprob <= NO_SPEECH_LOGPROB:
             return Transcript(text="", words=())  # whisper's own silence check, as its transcribe skips it
         duration_s = frames * model.feature_extractor.time_per_frame

@@ -12,7 +12,8 @@ The rules, in the terms of Pipecat's and LiveKit Agents' turn handling:
   starts the reply at once but *held*: its output waits until the turn is confirmed, by an
   end-of-turn score of at least `end_of_turn_threshold` on the user's text (plainly
   complete), or, when the score says the user is mid-sentence, by `incomplete_wait_s` more
-  silence. Speech before that cancels the held reply and its words begin the next turn, so a
+  silence; a turn of an opening alone ("Hello?", "Excuse me,": `openers`) always waits it.
+  Speech before that cancels the held reply and its words begin the next turn, so a
   pause inside a sentence never cuts the user off. A stable partial at the first silence
   starts the held reply even sooner (preemption); a final that says something else drops it.
 - **Interruption in two steps** (Kyutai's Unmute and LiveKit pause first, too): voice while
@@ -40,6 +41,15 @@ DEFAULT_BACKCHANNELS = (
     "okay", "ok", "right", "sure", "alright", "i see", "got it", "cool", "nice", "wow", "oh", "ah",
     "uh", "um",
 )
+# Words a speaker opens with and then goes on ("Hello, … can you tell me", "Excuse me, … where
+# is"): a turn of these alone waits `incomplete_wait_s` whatever its score. With a conversation
+# before it the stage's model scores a lone "Hello?" as a whole message (0.056 after three
+# exchanges, above "Yes." at 0.034), so the score alone cut the user off at such a pause
+# (docs/benchmarks.md, "Live conversations end to end").
+DEFAULT_OPENERS = (
+    "hello", "hi", "hey", "hello there", "hi there", "hey there", "excuse me", "so", "well", "um", "uh",
+    "listen", "i have a question", "quick question", "one question",
+)
 # Whisper's spellings of a hum ("Mmmmm", "mm-m-m", "N M M", "hmmm"): letters m, n and h alone.
 MURMUR = re.compile(r"[mnh]+")
 HEARD_WORD_SLACK_S = 0.05  # a word counts as heard once playback passed its end, less this
@@ -48,13 +58,14 @@ HEARD_WORD_SLACK_S = 0.05  # a word counts as heard once playback passed its end
 @dataclass(frozen=True)
 class TurnTakingOptions:
     # A text end-of-turn score at least this confirms a turn at once; lower waits for more
-    # silence. 0: every final ends the turn (silence alone decides). 0.03 and 0.7 s cut off 0
-    # of 24 and 1 of 23 in-sentence pauses (bundled and espeak-ng voices) where silence alone
-    # cut off all 44 (docs/benchmarks.md, "End of turn").
-    end_of_turn_threshold: float = 0.03
+    # silence. 0: every final ends the turn (silence alone decides). 0.01 (lower-marks) and 0.7 s
+    # cut off 0 of 50 in-sentence pauses (bundled and espeak-ng voices) where silence alone cut
+    # off 44 of 50 (docs/benchmarks.md, "End of turn").
+    end_of_turn_threshold: float = 0.01
     incomplete_wait_s: float = 0.7  # more silence after a low-scored final before it is the turn's end
     backchannels: tuple[str, ...] = DEFAULT_BACKCHANNELS
     backchannel_max_words: int = 3
+    openers: tuple[str, ...] = DEFAULT_OPENERS  # a turn of one of these alone is never plainly complete
     # Words said over the avatar that the asr is this unsure of, every one, are taken as noise:
     # whisper tiny turns a murmured "mm-hmm" into "And" (p 0.43) or "in a month", while a real
     # "Stop." or "Hold on." came at 0.52-0.94 on both test voices.
@@ -323,6 +334,7 @@ class TurnTaking:
         phrases = [normalised_text(b.replace("-", " ")) for b in options.backchannels]
         self._backchannel_phrases = {p.replace(" ", "") for p in phrases if p}
         self._backchannel_words = {w for p in phrases for w in p.split()}
+        self._openers = {"".join(_words(o)) for o in options.openers} - {""}
 
     # -- queries the gateway asks --------------------------------------------------------
 
@@ -381,7 +393,7 @@ class TurnTaking:
         if self.paused_since_s is not None or self.audible(now_s):
             # A partial interrupts only when it is plainly more than a backchannel; a short one
             # (often whisper's guess at a murmur) waits for the final to decide.
-            if len(set(_words(event.text))) > self.options.backchannel_max_words:
+            if _distinct_words(_words(event.text)) > self.options.backchannel_max_words:
                 return self._interrupt(now_s)
             return []
         t = self.turn
@@ -400,10 +412,10 @@ class TurnTaking:
         if self.paused_since_s is not None or self.audible(now_s):  # said over the avatar
             # (Not paused, too: voice in two short bursts can end each one's pause before the
             # utterance they make up is transcribed.)
+            if text and self._backchannel(text):  # whisper prompted with them may be unsure of one
+                return self._resume(now_s, "backchannel")
             if not text or event.confidence < self.options.min_interrupt_confidence:
                 return self._resume(now_s, "noise")
-            if self._backchannel(text):
-                return self._resume(now_s, "backchannel")
             actions += self._interrupt(now_s)
         t = self.turn
         if t and t.utterance == event.utterance and not t.final_seen and not t.audio_sent:
@@ -469,7 +481,8 @@ class TurnTaking:
         t = self.turn
         if t and not t.confirmed and t.final_seen:
             o = self.options
-            complete = o.end_of_turn_threshold <= 0 or t.score >= o.end_of_turn_threshold
+            complete = o.end_of_turn_threshold <= 0 or (t.score >= o.end_of_turn_threshold
+                                                        and not self._opener(t.user_text))
             # The wait after a low score ends in silence: voice heard again (speech begins 200 ms
             # into it, so SpeechStarted may not be here yet) holds the turn until it is decided.
             waited = now_s - t.final_s >= o.incomplete_wait_s and not self.voice_active
@@ -546,17 +559,27 @@ class TurnTaking:
         return [*actions, TurnOver(t.turn_id, reason, heard_text, cut_off, t.preemption, t.score, t.pauses,
                                    t.resumes, t.interrupts, self.counts)]
 
+    def _opener(self, text: str) -> bool:
+        """Only an opening ("Hello?", "Hey there,"), said once or repeated as whisper repeats it."""
+        words = _words(text)
+        once = [w for i, w in enumerate(words) if i == 0 or w != words[i - 1]]
+        return bool(once) and "".join(once) in self._openers
+
     def _backchannel(self, text: str) -> bool:
         """Only words of the backchannel list, and few of them."""
         words = _words(text)
         if not words:
             return False
-        # Whisper tends to repeat a short sound ("yeah yeah yeah yeah yeah" for one "Yeah."):
-        # the words count once each.
-        if len(set(words)) > self.options.backchannel_max_words:
+        if _distinct_words(words) > self.options.backchannel_max_words:
             return False
         return "".join(words) in self._backchannel_phrases or all(
             w in self._backchannel_words or MURMUR.fullmatch(w) for w in words)
+
+
+def _distinct_words(words: list[str]) -> int:
+    """Whisper tends to repeat a short sound ("yeah yeah yeah yeah yeah" for one "Yeah.", "Mm-hmm.
+    Mm-hm. Mm-m" for one "Mm-hmm."): the words count once each, and its hum spellings as one."""
+    return len({"m" if MURMUR.fullmatch(w) else w for w in words})
 
 
 def _words(text: str) -> list[str]:

@@ -19,7 +19,7 @@ from pipeline.asr_stream import (
     join_words,
 )
 from pipeline.audio import AudioStreamReader, PcmFormat, PcmStreamDecoder
-from services.grpc_server import ModelWorker, StageClock, serve, status_on_error
+from services.grpc_server import ModelWorker, Service, StageClock, service_main, status_on_error
 from services.protos import load, load_common
 from services.redis_store import SessionStore, now_ms
 from services.runtime import open_redis
@@ -29,6 +29,7 @@ pb, pb_grpc = load("asr")
 common = load_common()  # AudioFormat, Word, StageTimes (specvox.common.v1)
 Kind = pb.TranscriptEvent.Kind
 END = object()
+MAX_PROMPT_CHARS = 400  # a Context's phrases in all: ~100 tokens, well inside whisper's 223
 
 
 class WireAudioDecoder:
@@ -74,7 +75,9 @@ class AsrServicer(pb_grpc.AsrServicer):
             try:
                 ended = False
                 while not ended:
-                    audio, ended = await _take_all(chunks)
+                    audio, prompt, ended = await _take_all(chunks)
+                    if prompt is not None:
+                        recognizer.prompt = prompt
                     for event in await self.worker.call(recognizer.feed, decoder.feed(audio)):
                         yield _event(clock, event)
                 tail = decoder.finish()
@@ -87,11 +90,16 @@ class AsrServicer(pb_grpc.AsrServicer):
 
 
 async def _read_audio(request_iterator, chunks: asyncio.Queue, clock: StageClock) -> None:
-    """Client audio → queue, so that audio arriving during a transcription pass is taken in one go."""
+    """Client audio (and contexts, as whisper's prompt) → queue, so that audio arriving during a
+    transcription pass is taken in one go."""
     try:
         async for request in request_iterator:
-            if request.WhichOneof("payload") != "audio":
-                raise ValueError("only audio may follow the stream's config message")
+            kind = request.WhichOneof("payload")
+            if kind == "context":
+                chunks.put_nowait(prompt_of(request.context))
+                continue
+            if kind != "audio":
+                raise ValueError("only audio or a context may follow the stream's config message")
             clock.received()
             chunks.put_nowait(request.audio)
         chunks.put_nowait(END)
@@ -99,15 +107,28 @@ async def _read_audio(request_iterator, chunks: asyncio.Queue, clock: StageClock
         chunks.put_nowait(e)
 
 
-async def _take_all(chunks: asyncio.Queue) -> tuple[bytes, bool]:
-    """Everything queued (waiting for at least one item); True once the client's stream ended."""
+def prompt_of(context: pb.Context) -> str:
+    """The phrases as one prompt ("Mm-hmm. Yeah."); ValueError past MAX_PROMPT_CHARS (Whisper's
+    prompt holds at most 223 tokens, and it is decoded again on every pass)."""
+    phrases = [p.strip() for p in context.expected_phrases if p.strip()]
+    prompt = " ".join(p if p[-1] in ".?!," else f"{p}." for p in phrases)
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise ValueError(f"context.expected_phrases: {len(prompt)} characters in all, at most {MAX_PROMPT_CHARS}")
+    return prompt
+
+
+async def _take_all(chunks: asyncio.Queue) -> tuple[bytes, str | None, bool]:
+    """Everything queued (waiting for at least one item): the audio, the last prompt sent with it
+    (None: unchanged), and True once the client's stream ended."""
     items = [await chunks.get()]
     while not chunks.empty():
         items.append(chunks.get_nowait())
     for item in items:
         if isinstance(item, Exception):
             raise item
-    return b"".join(i for i in items if i is not END), END in items
+    prompts = [i for i in items if isinstance(i, str)]
+    audio = b"".join(i for i in items if isinstance(i, bytes))
+    return audio, (prompts[-1] if prompts else None), END in items
 
 
 def _event(clock: StageClock, event: AsrEvent) -> pb.TranscriptEvent:
@@ -150,15 +171,13 @@ async def _first_config(request_iterator) -> pb.StreamConfig:
     raise ValueError("the stream ended before its config message")
 
 
-async def run(settings: Settings) -> None:
+async def build(settings: Settings) -> Service:
+    """The asr service for run_service: whisper and the VAD loaded and warmed before it serves."""
     redis = await open_redis(settings)
     servicer = AsrServicer(settings.asr, redis.sessions)
     servicer.transcriber.warm_up()
-    await serve(
-        "asr",
-        lambda server: pb_grpc.add_AsrServicer_to_server(servicer, server),
-        [pb.DESCRIPTOR.services_by_name["Asr"].full_name],
-        f"{settings.host}:{settings.asr_port}",
-        settings.max_message_bytes,
-        on_stop=redis.close,
-    )
+    return Service("asr", lambda server: pb_grpc.add_AsrServicer_to_server(servicer, server), close=redis.close)
+
+
+if __name__ == "__main__":
+    service_main(build)

@@ -6,10 +6,7 @@ import argparse
 import asyncio
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 SERVICES = ("asr", "llm", "tts", "gateway")
@@ -22,13 +19,27 @@ def main(argv: list[str] | None = None) -> int:
     up_parser = sub.add_parser("up", help="start Redis (embedded unless configured) and all four services on loopback")
     up_parser.add_argument("--tts-python", help="run the tts service with this interpreter (e.g. the Coqui env's, "
                                                 ".venv-coqui/bin/python); default: settings.tts_python, else this one")
+    up_parser.add_argument("--workers", type=_workers_arg, default={}, metavar="STAGE=N,...",
+                           help="processes per stage, e.g. llm=2,tts=2 (default 1 each): named llm-0, llm-1, ..., "
+                                "worker i on the stage's port + i * supervisor.worker_port_stride")
+    up_parser.add_argument("--services", type=_services_arg, default=SERVICES, metavar="STAGE,...",
+                           help="start only these stages (e.g. llm,tts for a second machine sharing the "
+                                "first one's Redis); default: all four")
     serve = sub.add_parser("serve", help="start one service alone")
     serve.add_argument("service", choices=SERVICES)
+    health = sub.add_parser("health", help="exit 0 if the service at ADDRESS says SERVING (grpc.health.v1, over the "
+                                           "settings' TLS, with the service credential): a container health check")
+    health.add_argument("address", help="host:port, or a service name (asr, llm, tts, gateway) for its address")
     client = sub.add_parser("client", help="stream a WAV to the gateway and save the reply")
     client.add_argument("--wav", required=True, help="16-bit PCM WAV, mono or stereo, 8-48 kHz")
     client.add_argument("--address", default="", help="gateway host:port (default: from settings)")
     client.add_argument("--out", default="out/client", help="folder for reply.wav, captions.vtt, report.json")
     client.add_argument("--no-realtime", action="store_true", help="send the audio as fast as possible")
+    keys = sub.add_parser("keys", help="the gateway's API keys: add TENANT (prints the key once), list, revoke "
+                                       "TENANT-or-HASH-PREFIX; only hashes are stored (docs/security.md)")
+    keys.add_argument("action", choices=["add", "list", "revoke"])
+    keys.add_argument("name", nargs="?", default="", help="add: the tenant; revoke: a tenant or a key's hash prefix")
+    keys.add_argument("--file", default="", help="the key file (default: auth.keys_file)")
     say = sub.add_parser("say", help="synthesize text with the configured voice into a WAV file")
     say.add_argument("text")
     say.add_argument("--out", required=True)
@@ -40,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="one reply from the LLM stage, in this process (no server)")
     gen.add_argument("--prompt", required=True, help="wrapped in the model's chat template as one user message")
     gen.add_argument("--drafter",
-                     help="none, ngram, suffix, early-exit, quantized, or draft (with llm.draft_model set)")
+                     help="none, ngram, suffix, early-exit, quantized, draft (with llm.draft_model set), "
+                          "or eagle / medusa (a head trained for the target: specvox train-draft)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     gen.add_argument("--top-k", type=int, default=0)
@@ -52,18 +64,37 @@ def main(argv: list[str] | None = None) -> int:
                           "int4-exact: the GGUF's own 4-bit codes, float32 arithmetic (CPU, AVX-512); "
                           "int4: 4-bit layer weights on a CPU, with --dtype bfloat16 (default: llm.weights)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
+    draft = sub.add_parser("train-draft", help="train a draft head (EAGLE or Medusa) on the target's own replies, "
+                                               "offline; resumes from its work folder (pipeline/llm/train_draft.py)")
+    draft.add_argument("--kind", choices=["eagle", "medusa"], default="eagle")
+    draft.add_argument("--target", default="", help="the target model (default: llm.model)")
+    draft.add_argument("--out", default="", help="the artifact's folder (default: pipeline/llm/heads/<target>-<kind>)")
+    draft.add_argument("--work", default="", help="data shards and checkpoints (default: out/train-draft/<name>)")
+    draft.add_argument("--minutes", type=float, default=25.0, help="training time budget")
+    draft.add_argument("--data-minutes", type=float, default=20.0, help="time budget for generating the data")
+    draft.add_argument("--prompts", type=int, default=6000, help="corpus prompts (the budget may use fewer)")
+    draft.add_argument("--steps", type=int, default=0, help="stop training after this many steps (0: no cap)")
+    draft.add_argument("--epochs", type=int, default=3, help="passes over the data (the time budget may stop sooner)")
+    draft.add_argument("--device", help="default: llm.device")
+    draft.add_argument("--dtype", default="", help="the target's dtype while it makes the data (default: llm.dtype)")
+    draft.add_argument("--seed", type=int, default=0)
+    draft.add_argument("--fresh", action="store_true", help="ignore an earlier run's checkpoint")
+    draft.add_argument("--evaluate", type=int, default=0, metavar="N",
+                       help="then decode the first N prompts of each benchmark set with the head (float32 engine)")
+    draft.add_argument("--evaluate-only", action="store_true", help="evaluate the artifact at --out, no training")
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
-    bench.add_argument("what", choices=["turn", "asr", "spec", "spec-plots", "tts", "batch", "e2e",
-                                        "end-of-turn"])
+    bench.add_argument("what", choices=["turn", "asr", "spec", "spec-plots", "step", "tts", "batch", "e2e",
+                                        "end-of-turn", "fuzz", "soak", "faults", "lossless"])
     bench.add_argument("--drafter", default="suffix", help="spec-plots: the drafter swept over draft lengths")
-    bench.add_argument("--out", default="docs", help="spec-plots, e2e: folder for the PNGs (and JSON)")
+    bench.add_argument("--out", default="docs", help="spec-plots, e2e, soak: folder for the PNGs (and JSON)")
     bench.add_argument("--turns", type=int, default=8,
                        help="turn, asr, e2e: spoken turns (e2e: each session's), or sentences per voice")
     bench.add_argument("--limit", type=int, default=16, help="spec: prompts per set")
     bench.add_argument("--max-new-tokens", type=int, default=128, help="spec, batch: tokens per prompt")
     bench.add_argument("--workload", action="append", choices=["dialogue", "caption"],
                        help="spec: prompt sets in this order (repeatable; default dialogue then caption)")
-    bench.add_argument("--sessions", help="batch, e2e: concurrent session counts to measure (default 1,2,4,8; e2e 1,4)")
+    bench.add_argument("--sessions", help="batch, e2e, soak: concurrent session counts to measure "
+                                          "(default 1,2,4,8; e2e 1,4; soak: one count, 4)")
     bench.add_argument("--backend", default="", help="tts: piper or coqui (default: tts.backend)")
     bench.add_argument("--token-ms", type=float, default=40.0, help="tts: a word of the reply every this many ms")
     bench.add_argument("--threads", type=int, default=0, help="tts: model threads (default: tts.threads)")
@@ -73,6 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--chunk-ms", type=int, default=100, help="asr: audio per chunk the replayed microphone sends")
     bench.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                        help="asr: time a feed by wall time, or by this process's CPU time (a busy machine)")
+    bench.add_argument("--cases", type=int, default=200, help="fuzz: hypothesis cases per gRPC method")
+    bench.add_argument("--seed", type=int, help="fuzz: hypothesis seed (default: a random one, printed)")
+    bench.add_argument("--minutes", type=float, default=30.0, help="soak: how long the conversations run")
+    bench.add_argument("--sample-s", type=float, default=5.0, help="soak: seconds between memory samples")
+    bench.add_argument("--faults", type=int, default=20, help="faults: faults injected of each kind")
+    bench.add_argument("--replies", type=int, default=400,
+                       help="lossless: replies sampled per case (--limit: prompts, at most 2)")
     args = parser.parse_args(argv)
     if args.command == "serve":
         _idle_threads_yield()  # before torch or ctranslate2 loads OpenMP
@@ -80,10 +118,28 @@ def main(argv: list[str] | None = None) -> int:
     from services.runtime import configure_logging
     from services.settings import Settings
 
-    configure_logging(os.environ.get("SPECVOX_LOG_LEVEL", "WARNING" if args.command == "client" else "INFO"))
     settings = Settings()
+    configure_logging(os.environ.get("SPECVOX_LOG_LEVEL", "WARNING" if args.command == "client" else "INFO"),
+                      settings.log_format, args.service if args.command == "serve" else "")
+    if args.command == "keys":
+        from services.auth import AuthConfigError, keys_command
+
+        if args.action != "list" and not args.name:
+            parser.error(f"keys {args.action} needs a tenant{' or a hash prefix' if args.action == 'revoke' else ''}")
+        try:
+            return keys_command(args.action, args.file or settings.auth.keys_file, args.name)
+        except AuthConfigError as e:
+            print(f"specvox keys: {e}", file=sys.stderr)
+            return 2
+    if args.command == "health":
+        from services.supervisor import health_probe
+
+        address = settings.address(args.address) if args.address in SERVICES else args.address
+        serving = health_probe(settings)(address)
+        print(f"{address}: {'SERVING' if serving else 'not serving'}")
+        return 0 if serving else 1
     if args.command == "up":
-        return up(settings, args.tts_python or settings.tts_python)
+        return up(settings, args.tts_python or settings.tts_python, args.services, args.workers)
     if args.command == "serve":
         return serve_one(settings, args.service)
     if args.command == "client":
@@ -94,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:  # settings it cannot run, an unknown drafter, a prompt too long: said, not traced
             print(f"specvox generate: {e}", file=sys.stderr)
             return 2
+    if args.command == "train-draft":
+        return train_draft(settings, args)
     if args.command == "bench":
         if args.what == "spec-plots":
             from bench import spec_plots
@@ -108,6 +166,10 @@ def main(argv: list[str] | None = None) -> int:
 
             return spec.run(settings, args.limit, args.max_new_tokens, args.json_path,
                             tuple(args.workload or ("dialogue", "caption")))
+        if args.what == "step":
+            from bench import step_split
+
+            return step_split.run(settings, args.max_new_tokens, args.json_path)
         if args.what == "asr":
             from bench import asr
 
@@ -126,6 +188,22 @@ def main(argv: list[str] | None = None) -> int:
 
             return e2e.run(settings, tuple(int(n) for n in (args.sessions or "1,4").split(",")), args.turns,
                            args.json_path, args.out)
+        if args.what == "fuzz":
+            from bench import fuzz
+
+            return fuzz.run(settings, args.cases, args.json_path, args.seed)
+        if args.what == "soak":
+            from bench import soak
+
+            return soak.run(settings, args.minutes, int(args.sessions or 4), args.json_path, args.out, args.sample_s)
+        if args.what == "faults":
+            from bench import faults
+
+            return faults.run(settings, args.faults, args.json_path)
+        if args.what == "lossless":
+            from bench import lossless
+
+            return lossless.run(settings, args.replies, args.json_path, prompts=args.limit)
         from bench import turn
 
         return turn.run(settings, args.turns, args.json_path)
@@ -134,6 +212,23 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo(settings, args.wav, args.out)
     return say_to_file(settings, args.text, args.out, args.sample_rate, args.pad_s)
+
+
+def _workers_arg(text: str) -> dict[str, int]:
+    from services.supervisor import parse_workers
+
+    try:
+        return parse_workers(text, SERVICES)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _services_arg(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in SERVICES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"{', '.join(unknown) or 'nothing'}: the stages are {', '.join(SERVICES)}")
+    return names
 
 
 def _idle_threads_yield() -> None:
@@ -153,20 +248,31 @@ def _idle_threads_yield() -> None:
 def serve_one(settings, service: str) -> int:
     import importlib
 
+    from services.grpc_server import ServiceExit, run_service
+
     module = importlib.import_module(f"services.{service}_service")
-    asyncio.run(module.run(settings))
+    try:
+        asyncio.run(run_service(settings, module.build))
+    except ServiceExit as e:  # a worker failed (its traceback logged where it did), or the port is taken
+        print(f"specvox: {e}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
-def up(settings, tts_python: str = "") -> int:
-    """Run every service as its own process (models load in parallel, no shared GIL).
+def up(settings, tts_python: str = "", stages: tuple[str, ...] = SERVICES,
+       workers: dict[str, int] | None = None) -> int:
+    """Run each service (or each of `stages`) as its own processes under services/supervisor.py:
+    models load in parallel, no shared GIL, a crashed one restarted while the others serve.
 
     The tts service may run under another interpreter: the Coqui backend's environment
     cannot share this one's torch.
     """
-    from services import protos
-    from services.redis_store import EmbeddedRedis
+    from services import auth, protos
+    from services.redis_store import _without_password, default_data_dir
+    from services.runtime import start_embedded_redis
+    from services.supervisor import Supervisor, health_probe, plan_children
 
+    workers = workers or {}
     pythons = {name: sys.executable for name in SERVICES}
     if tts_python:
         resolved = shutil.which(tts_python)
@@ -176,89 +282,53 @@ def up(settings, tts_python: str = "") -> int:
             return 2
         pythons["tts"] = resolved
 
-    if protos.is_stale():  # once here, not in four children racing to write the same files
-        protos.build()
+    try:
+        protos.require()  # said once here, not by four children failing alike
+    except protos.ProtosNotBuiltError as e:
+        print(f"specvox: {e}", file=sys.stderr)
+        return 2
     embedded = None
     env = dict(os.environ)
-    if not settings.redis_url:
-        embedded = EmbeddedRedis().start()
-        env["SPECVOX_REDIS_URL"] = embedded.url
-        print(f"specvox: embedded Valkey at {embedded.url}", flush=True)
-    children: dict[str, subprocess.Popen] = {}
-    stopping = False
+    # Keys enforced at the gateway: asr, llm and tts take only the cluster's credential (generated once).
+    cluster_auth, credential_env = auth.cluster_credential(
+        settings.auth, Path(settings.redis.data_dir or default_data_dir()).parent)
+    settings = settings.model_copy(update={"auth": cluster_auth})
+    env.update(credential_env)
 
-    def stop(*_: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-    try:
-        for name in START_ORDER:
-            children[name] = subprocess.Popen([pythons[name], "-m", "services.cli", "serve", name], env=env)
-        if not _wait_healthy(settings, children, lambda: stopping):
-            return 1
+    def ready(children) -> None:
         print("specvox: all services ready", flush=True)
-        for name in SERVICES:
-            other = f"  ({pythons[name]})" if pythons[name] != sys.executable else ""
-            print(f"  {name:<8} {settings.address(name)}{other}", flush=True)
-        print("  redis    " + (embedded.url if embedded else str(settings.redis_url)), flush=True)
-        print("specvox: Ctrl-C stops everything", flush=True)
-        while not stopping:
-            for name, child in children.items():
-                if child.poll() is not None:
-                    print(f"specvox: {name} exited with {child.returncode}; stopping", file=sys.stderr)
-                    return 1
-            time.sleep(0.2)
-        return 0
+        for child in children:
+            stage = child.name.rsplit("-", 1)[0]
+            other = f"  ({pythons[stage]})" if pythons[stage] != sys.executable else ""
+            print(f"  {child.name:<10} {child.address:<22} pid {child.pid}{other}", flush=True)
+        print("  redis      " + (embedded.display_url if embedded else _without_password(str(settings.redis_url))),
+              flush=True)
+        print("specvox: a crashed service is restarted; Ctrl-C stops everything", flush=True)
+
+    supervisor = Supervisor(settings.supervisor, settings.drain_grace_s, health_probe(settings), on_ready=ready)
+    supervisor.catch_signals()  # from here a SIGTERM drains, and the Valkey below is stopped
+    try:
+        if not settings.redis_url:
+            embedded = start_embedded_redis(settings)
+            env["SPECVOX_REDIS_URL"] = embedded.url
+            print(f"specvox: embedded Valkey at {embedded.display_url} (data in {embedded.data_dir})", flush=True)
+        ports = {name: getattr(settings, f"{name}_port") for name in SERVICES}
+        order = [name for name in START_ORDER if name in stages]
+        children = plan_children(order, workers, env, pythons, ports, settings.host, settings.metrics_port,
+                                 settings.supervisor)
+        return supervisor.run(children)
     finally:
-        _stop_children(children)
         if embedded:
             embedded.stop()
         print("specvox: stopped", flush=True)
-
-
-def _wait_healthy(settings, children, stopping, timeout_s: float = 300.0) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline, pending = time.monotonic() + timeout_s, set(children)
-    while pending and not stopping():
-        for name in sorted(pending):
-            if children[name].poll() is not None:
-                print(f"specvox: {name} failed to start (exit {children[name].returncode})", file=sys.stderr)
-                return False
-            with grpc.insecure_channel(settings.address(name)) as channel:
-                try:
-                    reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
-                except grpc.RpcError:
-                    continue
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                pending.discard(name)
-        if time.monotonic() > deadline:
-            print(f"specvox: not ready after {timeout_s:.0f} s: {', '.join(sorted(pending))}", file=sys.stderr)
-            return False
-        time.sleep(0.3)
-    return not pending
-
-
-def _stop_children(children: dict[str, subprocess.Popen]) -> None:
-    for child in children.values():
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-    for name, child in children.items():
-        try:
-            child.wait(10)
-        except subprocess.TimeoutExpired:
-            print(f"specvox: {name} did not stop in 10 s; killing it", file=sys.stderr)
-            child.kill()
 
 
 def run_client(settings, args) -> int:
     from services.client import ClientOptions, converse, write_outputs
     from services.demo import print_summary
 
-    options = ClientOptions(realtime=not args.no_realtime, max_message_bytes=settings.max_message_bytes)
+    options = ClientOptions(realtime=not args.no_realtime, max_message_bytes=settings.max_message_bytes,
+                            api_key=settings.auth.api_key, tls=settings.tls)
     turns = asyncio.run(converse(args.address or settings.address("gateway"), args.wav, options))
     print_summary(write_outputs(turns, args.out), Path(args.out))
     return 0
@@ -293,6 +363,26 @@ def generate(settings, args) -> int:
     else:
         print(f"\n[{stats['new_tokens']} tokens, {stats['steps']} steps, "
               f"mean accepted length {stats['mean_accepted_len']}]", file=sys.stderr)
+    return 0
+
+
+def train_draft(settings, args) -> int:
+    import json
+
+    from bench.prompts import load_prompts
+    from pipeline.llm.train_draft import TrainOptions, evaluate, train
+
+    options = TrainOptions(kind=args.kind, target=args.target or settings.llm.model, out=args.out, work=args.work,
+                           device=args.device or settings.llm.device, data_dtype=args.dtype or settings.llm.dtype,
+                           threads=settings.llm.torch_threads, seed=args.seed, prompts=args.prompts,
+                           data_minutes=args.data_minutes, minutes=args.minutes, steps=args.steps, epochs=args.epochs,
+                           fresh=args.fresh)
+    benchmark = load_prompts()  # never trained on: the corpus is checked against them
+    if not args.evaluate_only:
+        card = train(options, excluded=[*benchmark["dialogue"], *benchmark["caption"]])
+        print(json.dumps({k: card[k] for k in ("kind", "data", "heldout", "total_s")}, indent=2))
+    if args.evaluate or args.evaluate_only:
+        print(json.dumps(evaluate(options, benchmark, args.evaluate or 16), indent=2))
     return 0
 
 

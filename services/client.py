@@ -21,14 +21,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import numpy as np
 
 from pipeline.audio import PcmFormat, read_wav, wav_bytes
 from pipeline.captions import Cue, srt_document, webvtt_document
 from pipeline.turn_taking import PlaybackClock
+from services.channels import open_channel
 from services.grpc_server import message_options
 from services.protos import load, load_common
+from services.tls import TlsOptions
 
 pb, pb_grpc = load("gateway")
 common = load_common()
@@ -52,6 +53,8 @@ class ClientOptions:
     overrides: object | None = None  # a SessionConfig for StreamStart.overrides
     session_id: str = ""  # converse in this session instead of creating one
     max_message_bytes: int = 4 * 1024 * 1024
+    api_key: str = ""  # sent as `authorization: Bearer` (settings: auth.api_key)
+    tls: TlsOptions | None = None  # None or no CA/certificate set: plaintext (settings: tls.*)
 
 
 @dataclass
@@ -72,6 +75,8 @@ class TurnResult:
     speech_end_s: float = 0.0
     reply_text: str = ""
     audio: list[tuple[float, bytes]] = field(default_factory=list)  # (start_s, pcm)
+    # each audio chunk as it came: (phrase_index, chunk_index, Unix ms of arrival)
+    chunks: list[tuple[int, int, int]] = field(default_factory=list)
     sample_rate_hz: int = 0
     cues: list[Cue] = field(default_factory=list)  # one per phrase of the reply
     word_cues: list[Cue] = field(default_factory=list)  # one per word of the reply
@@ -165,7 +170,8 @@ async def converse_script(address: str, script: list[Say], fmt: PcmFormat,
     def now_s() -> float:
         return time.monotonic() - t0
 
-    async with grpc.aio.insecure_channel(address, options=message_options(options.max_message_bytes)) as channel:
+    async with open_channel(address, secret=options.api_key, tls=options.tls,
+                            options=message_options(options.max_message_bytes)) as channel:
         stub = pb_grpc.GatewayStub(channel)
         session_id = options.session_id or (await stub.CreateSession(pb.CreateSessionRequest(
             config=options.config or pb.SessionConfig()))).session_id
@@ -289,6 +295,7 @@ def _record(turn: TurnResult, event, started_unix_s: float, speaker: Loudspeaker
         a = event.audio
         turn.sample_rate_hz = a.sample_rate_hz
         turn.audio.append((a.start_s, a.pcm_s16le))
+        turn.chunks.append((a.phrase_index, a.chunk_index, int(time.time() * 1000)))
         speaker.received(turn.turn_id, a.start_s + len(a.pcm_s16le) / 2 / a.sample_rate_hz, now_s)
     elif kind == "cue":
         turn.cues.append(Cue(event.cue.start_s, event.cue.end_s, event.cue.text))

@@ -34,7 +34,8 @@ def run_demo(settings, wav: str | None, out_dir: str, question: str = DEFAULT_QU
     try:
         _wait_ready(up, log_path)
         print(f"streaming {wav} to the gateway in real time …", flush=True)
-        options = ClientOptions(max_message_bytes=settings.max_message_bytes)
+        options = ClientOptions(max_message_bytes=settings.max_message_bytes, api_key=settings.auth.api_key,
+                                tls=settings.tls)
         turns = asyncio.run(converse(settings.address("gateway"), wav, options))
         report = write_outputs(turns, str(out))
     finally:

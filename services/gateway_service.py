@@ -4,22 +4,25 @@ One `Converse` stream is one conversation. The client's audio goes to asr; what 
 the client's playback reports and time passing go into the conversation's turn-taking state
 machine (pipeline/turn_taking.py), which decides when a turn starts, is confirmed, paused,
 resumed, interrupted or over. This module only carries those decisions out: it converts
-protobuf, calls llm and tts, paces the reply's audio ahead of playback, and writes what
-the user heard into the session's history. docs/architecture.md, "A live session", gives
-the order of events.
+protobuf, hands each turn to llm and tts through their Redis work queues (any worker takes it;
+the reply comes back from the turn's token log and speech stream, each item once), paces the
+reply's audio ahead of playback, and writes what the user heard into the session's history.
+docs/architecture.md, "A live session", gives the order of events.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf import json_format
 
 from pipeline.audio import AudioStreamReader, PcmFormat
 from pipeline.captions import (
@@ -32,6 +35,7 @@ from pipeline.captions import (
     webvtt_document,
 )
 from pipeline.llm.prompts import Exchange
+from pipeline.tts.phrases import PhraseCutter
 from pipeline.turn_taking import (
     Action,
     AnnounceFinal,
@@ -60,12 +64,23 @@ from pipeline.turn_taking import (
     VoiceStarted,
     WordTimed,
 )
-from services import session_config
-from services.grpc_server import StageClock, message_options, serve, status_on_error
+from services import limits, logs, metrics, session_config, tracing
+from services.auth import INTERNAL_TENANT, TENANT
+from services.grpc_server import Service, StageClock, message_options, service_main, status_on_error
+from services.limits import EventQueue
 from services.protos import load, load_common
-from services.redis_store import now_ms
+from services.redis_store import (
+    REDIS_DOWN,
+    TokenEntry,
+    TokenStreamTimeout,
+    TokenStreamWriter,
+    now_ms,
+    read_speech_stream,
+    read_token_stream,
+)
 from services.runtime import RedisContext, open_redis
 from services.settings import Settings
+from services.work_queue import WorkQueue, turn_work
 
 pb, pb_grpc = load("gateway")
 asr_pb, asr_grpc = load("asr")
@@ -79,6 +94,23 @@ TICK_S = 0.02  # timers of the turn-taking machine (held turns, playout, pauses)
 KIND = asr_pb.TranscriptEvent
 Config = pb.SessionConfig
 SPOKEN = frozenset({"reply_text", "audio", "cue", "word"})
+
+
+class TurnFailed(Exception):
+    """A stage ended the turn's log with an error (its request refused, or given up on)."""
+
+
+# A turn fails on these and the conversation goes on: a stage's error, a log that stalled (no
+# worker took the turn), Redis out of reach past its deadline.
+TURN_FAILURES = (TurnFailed, TokenStreamTimeout, *REDIS_DOWN)
+
+
+def _failure(error: BaseException) -> str:
+    if isinstance(error, TokenStreamTimeout):
+        return f"DEADLINE_EXCEEDED: {error}"
+    if isinstance(error, TurnFailed):
+        return str(error)
+    return f"UNAVAILABLE: {error}"
 
 
 class AudioArrivalClock:
@@ -132,10 +164,21 @@ class TurnWork:
     # session's conversation on llm's prefix cache, then the reply's own prefill is a few tokens.
     scored: asyncio.Event = field(default_factory=asyncio.Event)
     end_of_turn_ms: int = 0
+    span: tracing.TurnSpan | None = None  # the turn's trace span; its context carries the ids logged
+    first_phrase_unix_ms: int = 0  # when the reply text held a first phrase, as tts cuts it (metrics)
+    phrases: PhraseCutter | None = None
+    llm_done: bool = False  # the token log ended
+    speech_done: bool = False  # the speech stream ended (or the turn has none: caption mode)
+    llm_queued: bool = False  # the llm work is on its queue (else nothing will end the token log)
+    stop_workers: Callable[[], None] | None = None  # tells the turn's workers through Redis
 
     def cancel(self) -> None:
+        """Stop the turn here, and its llm and tts work wherever it runs (within a step or a piece)."""
         for task in self.tasks:
             task.cancel()
+        if self.stop_workers is not None and not (self.llm_done and self.speech_done):
+            self.stop_workers()
+            self.stop_workers = None
 
 
 class Conversation:
@@ -148,7 +191,7 @@ class Conversation:
         self.config = config
         self.session_id = start.session_id
         self.arrivals = AudioArrivalClock(start.format)
-        self.events: asyncio.Queue = asyncio.Queue()
+        self.events = EventQueue(self.settings.limits.max_queued_events)  # bounded: a slow client is cut off
         options = self.settings.turn_taking
         self.machine = TurnTaking(dataclasses.replace(
             options, backchannels=session_config.backchannels(config, options.backchannels),
@@ -161,7 +204,13 @@ class Conversation:
         self.degradations = 0
         self._lock = asyncio.Lock()  # one event through the machine at a time, its actions in order
         self._input_error: Exception | None = None
+        self._background: set[asyncio.Task] = set()  # cancel keys being set
         self._t0 = time.monotonic()
+        self._asr_call = None
+        self._asr_writes = asyncio.Lock()  # a gRPC stream takes one write at a time: audio, contexts
+        self._expecting_backchannels = False
+        self._context_writes: set[asyncio.Task] = set()
+        metrics.track_conversation(self)
 
     def now_s(self) -> float:
         return time.monotonic() - self._t0
@@ -169,7 +218,7 @@ class Conversation:
     async def run(self, client_messages: AsyncIterator) -> None:
         ticker = asyncio.create_task(self._tick())
         try:
-            call = self.servicer.stubs.asr.Transcribe()
+            call = self._asr_call = self.servicer.stubs.asr.Transcribe()
             forward = asyncio.create_task(self._forward_audio(client_messages, call))
             try:
                 async for event in call:
@@ -194,7 +243,9 @@ class Conversation:
         for work in list(self.work.values()):
             work.cancel()
             await asyncio.gather(*work.tasks, return_exceptions=True)
+            work.span.end(finish_reason="closed")
         self.work.clear()
+        await asyncio.gather(*self._background, return_exceptions=True)  # the workers are told before we go
 
     async def _tick(self) -> None:
         while True:
@@ -216,8 +267,10 @@ class Conversation:
                 if kind != "audio":
                     raise ValueError("only audio and playback reports may follow the start message")
                 self.arrivals.received(message.audio)
-                await call.write(asr_pb.TranscribeRequest(audio=message.audio))
-            await call.done_writing()
+                async with self._asr_writes:
+                    await call.write(asr_pb.TranscribeRequest(audio=message.audio))
+            async with self._asr_writes:
+                await call.done_writing()
         except (ValueError, grpc.aio.AioRpcError) as e:
             if not isinstance(e, grpc.aio.AioRpcError):
                 self._input_error = e
@@ -227,6 +280,8 @@ class Conversation:
 
     async def _on_transcript(self, event: asr_pb.TranscriptEvent) -> None:
         kind = event.kind
+        if kind in (KIND.PARTIAL, KIND.FINAL) and event.speech_end_s:
+            limits.check_utterance(self.settings.limits, event.speech_start_s, event.speech_end_s)
         if kind == KIND.VOICE_STARTED:
             await self.handle(VoiceStarted())
         elif kind == KIND.VOICE_ENDED:
@@ -250,6 +305,13 @@ class Conversation:
                 await self._act(action)
 
     async def _act(self, action: Action) -> None:
+        if isinstance(action, StartTurn | StartCaption):
+            try:  # the conversation's length: past it the stream ends (from whichever task acts)
+                await limits.count_turn(self.servicer.redis.client, self.settings.limits, self.session_id,
+                                        self.settings.session_ttl_s)
+            except limits.LimitExceededError as e:
+                self.events.put_nowait(e)
+                return
         if isinstance(action, StartTurn):
             await self._start_turn(action)
         elif isinstance(action, ScoreEndOfTurn):
@@ -264,11 +326,14 @@ class Conversation:
                 work.cancel()
         elif isinstance(action, PausePlayback):
             self._control(action.turn_id, pause=pb.Pause(at_s=action.at_s))
+            self._expect_backchannels(True)
         elif isinstance(action, ResumePlayback):
             self._control(action.turn_id, resume=pb.Resume(from_s=action.from_s, reason=action.reason))
+            self._expect_backchannels(False)
         elif isinstance(action, InterruptPlayback):
             self._control(action.turn_id, interrupt=pb.Interrupt(heard_until_s=action.heard_until_s,
                                                                  heard_text=action.heard_text))
+            self._expect_backchannels(False)
         elif isinstance(action, RecordExchange):
             if action.heard_text.strip():
                 await self.servicer.redis.sessions.append(
@@ -277,6 +342,24 @@ class Conversation:
             self._turn_over(action)
         elif isinstance(action, StartCaption):
             await self._start_caption(action)
+
+    def _expect_backchannels(self, expect: bool) -> None:
+        """While the user speaks over the avatar, asr's whisper is prompted with the session's
+        backchannels: it then writes a murmured "Mm-hmm." as such, not as "In a moment." (whisper
+        tiny on the Piper voice), and the machine can tell it from an interruption."""
+        if expect == self._expecting_backchannels or self._asr_call is None:
+            return
+        self._expecting_backchannels = expect
+        phrases = self.machine.options.backchannels if expect else ()
+        request = asr_pb.TranscribeRequest(context=asr_pb.Context(expected_phrases=phrases))
+        task = asyncio.create_task(self._write_asr(request))
+        self._context_writes.add(task)
+        task.add_done_callback(self._context_writes.discard)
+
+    async def _write_asr(self, request) -> None:
+        async with self._asr_writes:
+            with contextlib.suppress(asyncio.InvalidStateError, grpc.aio.AioRpcError):  # the call has ended
+                await self._asr_call.write(request)
 
     def _control(self, turn_id: str, **event) -> None:
         """Playback control goes out at once, ahead of anything the turn has queued."""
@@ -289,14 +372,35 @@ class Conversation:
         transcript = self.finals[utterance]
         await self.servicer.redis.turns.create(self.session_id, turn_id)
         await self.servicer.redis.sessions.touch(self.session_id)
-        work = TurnWork(turn_id, user_text, transcript, self.arrivals.arrival_ms(transcript.speech_end_s), mode=mode)
+        work = TurnWork(turn_id, user_text, transcript, self.arrivals.arrival_ms(transcript.speech_end_s), mode=mode,
+                        span=tracing.TurnSpan(self.session_id, turn_id, mode),
+                        phrases=PhraseCutter(self.settings.phrases))
         work.clock.received()
+        work.speech_done = mode == "caption"
+        work.stop_workers = lambda: self._in_background(self._stop_workers(work))
         self.work[turn_id] = work
         return work
 
+    async def _stop_workers(self, work: TurnWork) -> None:
+        """The turn's cancel key, which its workers see at their next step or piece; a turn cancelled
+        before its llm work was queued gets its token log ended here, so a tts worker tailing it stops."""
+        redis = self.servicer.redis
+        try:
+            await redis.turns.cancel(work.turn_id)
+            if not work.llm_queued:
+                await TokenStreamWriter(redis.client, work.turn_id, self.settings.token_stream_ttl_s).append(
+                    TokenEntry(0, (), "", 0, now_ms(), end=True, finish_reason="cancelled"))
+        except REDIS_DOWN as e:  # its workers stop at their own timeouts instead
+            log.warning("turn %s: could not tell its workers it is cancelled: %s", work.turn_id, e)
+
+    def _in_background(self, awaitable) -> None:
+        task = asyncio.create_task(awaitable)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def _start_turn(self, action: StartTurn) -> None:
         work = await self._open_work(action.turn_id, action.user_text, action.utterance, "dialogue")
-        work.tasks.append(asyncio.create_task(self._run_turn(work)))
+        work.tasks.append(asyncio.create_task(self._run_turn(work), context=work.span.context()))
 
     def _budget(self, work: TurnWork):
         budget_ms = self.config.budget_ms
@@ -304,58 +408,74 @@ class Conversation:
                                  deadline_unix_ms=work.speech_end_unix_ms + budget_ms)
 
     async def _run_turn(self, work: TurnWork) -> None:
-        stubs, c = self.servicer.stubs, self.config
+        """The turn's work goes on the llm and tts queues (any worker may take it); the reply's text
+        comes back from its token log, its speech from its speech stream, each item once."""
+        c = self.config
         request = llm_pb.ReplyRequest(
             session_id=self.session_id, turn_id=work.turn_id, user_text=work.user_text,
             task=llm_pb.ReplyRequest.DIALOGUE, defer_history=True, max_new_tokens=c.max_reply_tokens,
             drafter=c.drafter, system_prompt=c.system_prompt, budget=self._budget(work))
         if c.HasField("sampling"):
             request.sampling.CopyFrom(c.sampling)
-        tts_call = stubs.tts.SpeakTurn(tts_pb.SpeakTurnRequest(
+        await self._enqueue("tts", work, tts_pb.SpeakTurnRequest(
             session_id=self.session_id, turn_id=work.turn_id, sample_rate_hz=c.reply_sample_rate_hz,
             voice=c.voice, budget=self._budget(work)))
         sender = asyncio.create_task(self._send_paced(work))
         try:
-            await asyncio.gather(self._pump_reply(work, request), self._pump_speech(work, tts_call))
+            await asyncio.gather(self._pump_reply(work, request), self._pump_speech(work))
             await work.outbox.put(END)
             await sender
             await self.handle(ReplyDone(work.turn_id, work.finish_reason))
         except asyncio.CancelledError:
             work.finish_reason = work.finish_reason or "cancelled"
             raise
-        except grpc.aio.AioRpcError as e:  # the turn fails, the conversation goes on
-            log.warning("turn %s failed: %s", work.turn_id, e.details())
-            work.finish_reason, work.error = "error", f"{e.code().name}: {e.details()}"
+        except TURN_FAILURES as e:  # the turn fails, the conversation goes on
+            log.warning("turn %s failed: %s", work.turn_id, e)
+            work.finish_reason, work.error = "error", _failure(e)
             await self.handle(ReplyDone(work.turn_id, "error"))
         finally:
             sender.cancel()
-            tts_call.cancel()
+
+    async def _enqueue(self, stage: str, work: TurnWork, request) -> None:
+        """Hand a stage the turn's work, with the turn's trace context (its span is the work's parent)."""
+        await self.servicer.queues[stage].add(turn_work(work.turn_id, request, **tracing.carrier()))
 
     async def _pump_reply(self, work: TurnWork, request) -> None:
         try:
             await asyncio.wait_for(work.scored.wait(), SCORE_WAIT_S)
         except TimeoutError:
             pass  # a slow score does not hold the reply back any longer
-        call = self.servicer.stubs.llm.Reply(request)
-        try:
-            await self._read_reply(work, call)
-        finally:
-            call.cancel()
+        work.llm_queued = True
+        await self._enqueue("llm", work, request)
+        await self._read_reply(work)
 
-    async def _read_reply(self, work: TurnWork, call) -> None:
-        async for step in call:
-            work.reply_text += step.text_delta
-            if step.seq == 0:
-                work.prefix_cached_tokens = step.prefix_cached_tokens
-            if step.text_delta:
+    async def _read_reply(self, work: TurnWork) -> None:
+        """The reply's text from its token log (each seq once, whichever worker wrote it)."""
+        async for entry in read_token_stream(self.servicer.redis.client, work.turn_id, self.settings.token_timeout_s):
+            work.reply_text += entry.text
+            if entry.seq == 0:
+                work.prefix_cached_tokens = int(entry.extra.get("cached", 0))
+            if not work.first_phrase_unix_ms and (work.phrases.feed(entry.text) or entry.end):
+                work.first_phrase_unix_ms = now_ms()
+            if entry.text:
                 await work.outbox.put(pb.ServerEvent(turn_id=work.turn_id, reply_text=pb.ReplyText(
-                    text_delta=step.text_delta, accepted_tokens=step.accepted)))
-            if step.end:
-                work.finish_reason = step.finish_reason
-                work.stage_times.append(step.times)
+                    text_delta=entry.text, accepted_tokens=entry.accepted)))
+            if entry.end:
+                _reply_ended(work, entry, "reply")
 
-    async def _pump_speech(self, work: TurnWork, call) -> None:
-        async for event in call:
+    async def _pump_speech(self, work: TurnWork) -> None:
+        """The reply's speech from its speech stream: each chunk, word and cue once, by (phrase, index),
+        however many tts workers had a hand in it. It may wait for the whole reply's first phrase."""
+        wait_s = 2 * self.settings.token_timeout_s
+        async for entry in read_speech_stream(self.servicer.redis.client, work.turn_id, wait_s):
+            if entry.kind == "end":
+                work.speech_done = True
+                if entry.data.get("finish_reason") == "error":
+                    raise TurnFailed(entry.data.get("error") or "tts: the speech failed")
+                continue
+            if not entry.event:
+                continue  # a phrase's bookkeeping (begun, done): for a tts worker resuming it
+            event = tts_pb.SpeechEvent.FromString(entry.event)
             kind = event.WhichOneof("event")
             if kind == "audio":
                 await work.outbox.put(pb.ServerEvent(turn_id=work.turn_id, audio=event.audio))
@@ -393,7 +513,7 @@ class Conversation:
         if self.settings.turn_taking.end_of_turn_threshold <= 0:
             work.scored.set()  # silence alone decides: the machine confirms without a score
             return
-        work.tasks.append(asyncio.create_task(self._end_of_turn(work, action)))
+        work.tasks.append(asyncio.create_task(self._end_of_turn(work, action), context=work.span.context()))
 
     async def _end_of_turn(self, work: TurnWork, action: ScoreEndOfTurn) -> None:
         asked_ms = now_ms()
@@ -434,7 +554,7 @@ class Conversation:
         counts = over.counts
         if over.finish_reason in ("interrupted", "cancelled"):
             self.unheard.add(over.turn_id)
-        self.events.put_nowait(pb.ServerEvent(turn_id=work.turn_id, report=pb.TurnReport(
+        report = pb.TurnReport(
             transcript=work.user_text, reply_text=work.reply_text.strip(), speech_end_s=work.transcript.speech_end_s,
             speech_end_unix_ms=work.speech_end_unix_ms, first_audio_sent_unix_ms=work.first_audio_sent_unix_ms,
             stages=[*work.stage_times, work.clock.to_proto(common.StageTimes)], budget_ms=self.config.budget_ms,
@@ -446,7 +566,10 @@ class Conversation:
             session_budget_misses=self.budget_misses, session_degradations=self.degradations,
             end_of_turn_probability=over.end_of_turn_probability, mode=work.mode,
             prefix_cached_tokens=work.prefix_cached_tokens, end_of_turn_ms=work.end_of_turn_ms,
-        )))
+        )
+        metrics.observe_turn(report, work.first_phrase_unix_ms)
+        work.span.end(finish_reason=over.finish_reason, voice_to_voice_ms=voice_ms, budget_missed=missed)
+        self.events.put_nowait(pb.ServerEvent(turn_id=work.turn_id, report=report))
 
     # -- caption mode ----------------------------------------------------------------------
 
@@ -456,7 +579,7 @@ class Conversation:
         if final.HasField("times"):
             work.stage_times.append(final.times)
         self.events.put_nowait(pb.ServerEvent(turn_id=work.turn_id, transcript=_transcript(final, final=True)))
-        work.tasks.append(asyncio.create_task(self._run_caption(work)))
+        work.tasks.append(asyncio.create_task(self._run_caption(work), context=work.span.context()))
 
     async def _run_caption(self, work: TurnWork) -> None:
         """The transcript cleaned by the LLM, each caption word placed on the input's timeline."""
@@ -464,11 +587,13 @@ class Conversation:
             request = llm_pb.ReplyRequest(session_id=self.session_id, turn_id=work.turn_id, user_text=work.user_text,
                                           task=llm_pb.ReplyRequest.CAPTION, drafter=self.config.drafter,
                                           max_new_tokens=self.config.max_reply_tokens, budget=self._budget(work))
-            async for step in self.servicer.stubs.llm.Reply(request):
-                work.reply_text += step.text_delta
-                if step.end:
-                    work.finish_reason = step.finish_reason
-                    work.stage_times.append(step.times)
+            work.llm_queued = True
+            await self._enqueue("llm", work, request)
+            async for entry in read_token_stream(self.servicer.redis.client, work.turn_id,
+                                                 self.settings.token_timeout_s):
+                work.reply_text += entry.text
+                if entry.end:
+                    _reply_ended(work, entry, "caption")
             text = " ".join(work.reply_text.split()) or work.user_text
             words = list(work.transcript.words)
             cues = align_caption(text, words)
@@ -480,10 +605,20 @@ class Conversation:
                 srt=srt_document(lines) if Config.SRT in formats else "")
             work.clock.emitted()
             self.events.put_nowait(pb.ServerEvent(turn_id=work.turn_id, caption=caption))
-        except grpc.aio.AioRpcError as e:
-            work.finish_reason, work.error = "error", f"{e.code().name}: {e.details()}"
+        except TURN_FAILURES as e:
+            work.finish_reason, work.error = "error", _failure(e)
         self._turn_over(TurnOver(work.turn_id, work.finish_reason or "eos", "", False, "", -1.0, 0, 0, 0,
                                  self.machine.counts))
+
+
+def _reply_ended(work: TurnWork, entry: TokenEntry, what: str) -> None:
+    """The token log's end entry: the turn's finish reason and the llm's times; an error fails the turn."""
+    work.llm_done = True
+    work.finish_reason = entry.finish_reason
+    if "times" in entry.extra:
+        work.stage_times.append(json_format.Parse(entry.extra["times"], common.StageTimes()))
+    if entry.finish_reason == "error":
+        raise TurnFailed(entry.extra.get("error") or f"llm: the {what} failed")
 
 
 def _cue(c: Cue):
@@ -504,7 +639,10 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     def __init__(self, settings: Settings, redis: RedisContext, stubs: Stubs) -> None:
         self.settings = settings
         self.redis = redis
-        self.stubs = stubs
+        self.stubs = stubs  # asr's stream, llm's EndOfTurn score, llm's and tts's Capabilities
+        # Producers only: turns go on the stages' queues, whichever worker takes them.
+        self.queues = {stage: WorkQueue(redis.client, stage, f"gateway-{stage}", settings.work)
+                       for stage in ("llm", "tts")}
         self._choices: session_config.Choices | None = None
 
     async def choices(self) -> session_config.Choices:
@@ -523,21 +661,41 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             config.CopyFrom(request.config)
             config.system_prompt = config.system_prompt or request.system_prompt
             resolved = session_config.resolve(config, await self.choices(), self.settings.turn_budget_ms)
-            session_id = await self.redis.sessions.create(resolved.system_prompt, session_config.to_json(resolved))
+            self._cap_reply_tokens(config.max_reply_tokens, resolved)
+            session_id = await self.redis.sessions.create(resolved.system_prompt, session_config.to_json(resolved),
+                                                          owner=TENANT.get())
+            await limits.hold_session(self.redis.client, self.settings.limits, TENANT.get(), session_id,
+                                      self.settings.session_ttl_s)
             return pb.Session(session_id=session_id, config=resolved)
+
+    def _cap_reply_tokens(self, asked: int, resolved) -> None:
+        """Past limits.max_reply_tokens an ask is refused and a default is capped."""
+        limits.check_reply_tokens(self.settings.limits, asked)
+        cap = self.settings.limits.max_reply_tokens
+        if cap and resolved.max_reply_tokens > cap:
+            resolved.max_reply_tokens = cap
 
     async def Converse(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator:
         async with status_on_error(context, "gateway"):
             start = await _first_start(request_iterator)
-            session = await self.redis.sessions.require(start.session_id)
+            logs.bind(session_id=start.session_id)
+            tenant = TENANT.get()  # a session is the tenant's that made it (the cluster's credential: any)
+            session = await self.redis.sessions.require(start.session_id,
+                                                        owner=None if tenant == INTERNAL_TENANT else tenant)
             stored = session_config.from_json(session.get("config", ""))
             config = session_config.resolve(session_config.merged(stored, start.overrides), await self.choices(),
                                             self.settings.turn_budget_ms)
+            self._cap_reply_tokens(start.overrides.max_reply_tokens, config)
+            await limits.renew_session(self.redis.client, self.settings.limits, TENANT.get(), start.session_id,
+                                       self.settings.session_ttl_s)
             conversation = Conversation(self, start, config)
             yield pb.ServerEvent(ready=pb.StreamReady(session_id=start.session_id, config=config))
             runner = asyncio.create_task(conversation.run(request_iterator))
+            conversation.events.on_overflow = runner.cancel  # nothing more is made for a client that stopped reading
             try:
                 while (event := await conversation.events.get()) is not END:
+                    if conversation.events.overflowed:
+                        raise conversation.events.error()
                     if isinstance(event, BaseException):
                         raise event
                     if event.turn_id in conversation.unheard and event.WhichOneof("event") in SPOKEN:
@@ -557,11 +715,14 @@ async def _first_start(request_iterator):
     raise ValueError("the stream ended before its start message")
 
 
-async def run(settings: Settings) -> None:
+async def build(settings: Settings) -> Service:
+    """The gateway for run_service: its Redis and its channels to asr, llm and tts (TLS and the
+    service credential from the settings, services/hooks.py)."""
+    from services.hooks import internal_channel
+
     redis = await open_redis(settings)
     options = message_options(settings.max_message_bytes)
-    channels = {name: grpc.aio.insecure_channel(settings.address(name), options=options)
-                for name in ("asr", "llm", "tts")}
+    channels = {name: internal_channel(settings, name, options) for name in ("asr", "llm", "tts")}
     stubs = Stubs(asr_grpc.AsrStub(channels["asr"]), llm_grpc.LlmStub(channels["llm"]),
                   tts_grpc.TtsStub(channels["tts"]))
     servicer = GatewayServicer(settings, redis, stubs)
@@ -571,11 +732,9 @@ async def run(settings: Settings) -> None:
             await channel.close()
         await redis.close()
 
-    await serve(
-        "gateway",
-        lambda server: pb_grpc.add_GatewayServicer_to_server(servicer, server),
-        [pb.DESCRIPTOR.services_by_name["Gateway"].full_name],
-        f"{settings.host}:{settings.gateway_port}",
-        settings.max_message_bytes,
-        on_stop=close,
-    )
+    return Service("gateway", lambda server: pb_grpc.add_GatewayServicer_to_server(servicer, server), close=close,
+                   redis=redis.client)
+
+
+if __name__ == "__main__":
+    service_main(build)

@@ -1,4 +1,6 @@
-"""The llm gRPC service: writes each verify step to the turn's Redis stream and streams it back.
+"""The llm stage: a queue worker taking turns from `sv:work:llm`, and the gRPC service (Reply,
+EndOfTurn, Capabilities). Either way a reply is written step by step to the turn's token log
+(`sv:turn:{id}:tokens`), and a turn another worker left half done is resumed from that log.
 
 A reply keeps its session's KV cache for the next one (`llm.prefix_cache_sessions`), and a
 turn with a budget that runs late is planned down before it prefills (pipeline/llm/budget.py);
@@ -8,12 +10,14 @@ what it gave up is listed in the last step's `times.degradations`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf import json_format
 
 from pipeline.llm.batch import BatchedDecoder, BatchScheduler
 from pipeline.llm.budget import BudgetOptions, BudgetPolicy, Plan, PromptChoice, TurnBudget
@@ -23,16 +27,38 @@ from pipeline.llm.model import LoadedModel, load_model
 from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, fit_history
 from pipeline.llm.sampling import SamplingOptions
 from pipeline.models import resolve_llm
-from services.grpc_server import ModelWorker, StageClock, serve, status_on_error
+from services import logs, metrics, tracing
+from services.grpc_server import (
+    ModelWorker,
+    Service,
+    StageClock,
+    service_main,
+    status_on_error,
+    work_through_log,
+)
 from services.protos import load, load_common
-from services.redis_store import SessionStore, TokenEntry, TokenStreamWriter, TurnStore, now_ms
+from services.redis_store import (
+    LogGap,
+    LogMoved,
+    SessionStore,
+    TokenEntry,
+    TokenStreamWriter,
+    TurnLogWriter,
+    TurnStore,
+    now_ms,
+    read_token_log,
+    token_stream_key,
+    turn_key,
+)
 from services.runtime import RedisContext, open_redis
 from services.settings import Settings
+from services.work_queue import REDIS_ERRORS, WorkItem, WorkQueue, run_worker, work_request
 
 log = logging.getLogger(__name__)
 pb, pb_grpc = load("llm")
 common = load_common()
 TASKS = {pb.ReplyRequest.CAPTION: Task.CAPTION}
+FINISHED = ("eos", "length", "stop")  # a reply that ended so was written whole
 
 
 class LlmServicer(pb_grpc.LlmServicer):
@@ -71,32 +97,103 @@ class LlmServicer(pb_grpc.LlmServicer):
                                       model=ref.gguf_file or ref.name_or_path, weights=self.loaded.weights)
 
     async def Reply(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        """The turn's reply, standalone: what its token log holds already, then the rest (the code
+        path of the queue's workers, `work`)."""
         clock = StageClock("llm")
         clock.received()
         async with status_on_error(context, "llm"):
-            session = await self.sessions.require(request.session_id)
-            await self.turns.require(request.turn_id, request.session_id)
-            generation, plan = await self._generation_request(request, session)
-            cancelled = threading.Event()
-            context.add_done_callback(lambda _: cancelled.set())
-            writer = TokenStreamWriter(self.redis.client, request.turn_id, self.settings.token_stream_ttl_s)
-            reply_text, ended, reason = "", False, "error"
-            try:
-                async for step in self._steps(generation, cancelled.is_set):
-                    clock.emitted()
-                    reply_text += step.text_delta
-                    await writer.append(_entry(step))
-                    ended = step.finish_reason is not None
-                    yield _reply_step(step, clock, plan.degradations)
-            except (asyncio.CancelledError, GeneratorExit):
-                reason = "cancelled"
-                raise
-            finally:
-                if not ended:  # cancelled or failed: readers of the stream must still see its end
-                    self._end_stream_later(writer, reason)
-            dialogue = TASKS.get(request.task, Task.DIALOGUE) is Task.DIALOGUE
-            if dialogue and reply_text.strip() and not request.defer_history:
-                await self.sessions.append(request.session_id, Exchange(request.user_text, reply_text.strip()))
+            stop = threading.Event()
+            context.add_done_callback(lambda _: stop.set())
+            async for step in self._reply(request, stop, clock, replay=True):
+                yield step
+
+    async def work(self, draining: asyncio.Event) -> None:
+        """The llm's queue worker: turns taken from `sv:work:llm` (services/work_queue.py) until the drain,
+        as many at once as a batch holds."""
+        options = self.settings.work
+        queue = WorkQueue(self.redis.client, "llm", self.settings.worker_name_of("llm"), options)
+        capacity = options.llm_concurrency or max(1, self.settings.llm.max_batch_size)
+        await run_worker(queue, self._work, capacity, draining, self._dead)
+
+    async def _work(self, item: WorkItem) -> None:
+        """One turn from the queue. A request that can never succeed ends the turn's log with its
+        reason (and is acked); anything else raised is a failed delivery, retried by the queue."""
+        request = work_request(item, pb.ReplyRequest)
+        logs.bind(session_id=request.session_id, turn_id=request.turn_id)
+        clock = StageClock("llm")
+        clock.received()
+        with tracing.work_span("llm", "llm Llm/Reply", item.fields, turn_id=request.turn_id, work_id=item.id):
+            await work_through_log(self._reply(request, threading.Event(), clock, replay=False),
+                                   lambda why: _end_log(self.redis.client, request.turn_id, "error", why, self._ttl))
+
+    async def _dead(self, item: WorkItem, letter: dict[str, str]) -> None:
+        """A dead-lettered turn's readers (gateway, tts) learn that it failed, and why."""
+        error = f"INTERNAL: llm gave up after {letter['deliveries']} tries: {letter['error']}"
+        await _end_log(self.redis.client, item.fields.get("turn", ""), "error", error, self._ttl)
+
+    @property
+    def _ttl(self) -> int:
+        return self.settings.token_stream_ttl_s
+
+    async def _reply(self, request, stop: threading.Event, clock: StageClock, replay: bool) -> AsyncIterator:
+        """The turn's reply as ReplySteps, each written to its token log before it is yielded.
+
+        The writer claims the log first (an earlier holder is fenced out from then on). A log with
+        steps in it already, left by a worker that died, is resumed: the engine prefills the
+        turn's recorded prompt plus the tokens logged and goes on at the next seq, so the reply is
+        the one the first worker would have written. `replay`: yield the logged steps too.
+        A cancel (the key the gateway sets) is seen at each append and stops within a step.
+        """
+        if not request.turn_id:
+            raise ValueError("turn_id is empty")
+        turn_id = request.turn_id
+        session = await self.sessions.require(request.session_id)
+        await self.turns.require(turn_id, request.session_id)
+        writer = TurnLogWriter(self.redis.client, turn_id, "llm", token_stream_key(turn_id), self._ttl)
+        next_seq = await writer.claim()
+        logged = await read_token_log(self.redis.client, turn_id) if next_seq else []
+        if replay:
+            for entry in logged:
+                yield _logged_step(entry)
+        if logged and logged[-1].end:
+            await self._record_exchange(request, "".join(e.text for e in logged), logged[-1].finish_reason)
+            return
+        if await self.turns.cancelled(turn_id):
+            await writer.append(_entry_fields(DecodeStep(next_seq, (), "", "cancelled")))
+            yield pb.ReplyStep(seq=next_seq, end=True, finish_reason="cancelled")
+            return
+        generation, degradations = await self._generation_request(request, session)
+        if logged:
+            generation = generation.resumed([t for e in logged for t in e.token_ids], next_seq)
+            log.info("turn %s: resuming at seq %d after %d tokens", turn_id, next_seq, len(generation.resume_tokens))
+        reply_text, reason = "".join(e.text for e in logged), None
+        try:
+            async for step in self._steps(generation, stop.is_set):
+                clock.emitted()
+                reply_text += step.text_delta
+                reply = _reply_step(step, clock, degradations)
+                extra = {"cached": step.prefix_cached_tokens} if step.seq == 0 else {}
+                if reply.end:
+                    extra["times"] = json_format.MessageToJson(reply.times, indent=None)
+                if await writer.append(_entry_fields(step, extra)):
+                    stop.set()  # cancelled: the engine stops before its next step
+                reason = step.finish_reason
+                if step.stats is not None:  # the last step: the reply's decoding statistics
+                    metrics.observe_decoding(generation.drafter, step.stats)
+                yield reply
+        except (asyncio.CancelledError, GeneratorExit):
+            if replay and reason is None:  # the caller went away: readers of the log must see its end
+                self._end_stream_later(writer, "cancelled")
+            raise
+        await self._record_exchange(request, reply_text, reason or "")
+
+    async def _record_exchange(self, request, reply_text: str, reason: str) -> None:
+        """After a dialogue reply that ended normally, the exchange joins the session's history, once
+        however many workers saw the turn end (unless the caller records it: `defer_history`)."""
+        dialogue = TASKS.get(request.task, Task.DIALOGUE) is Task.DIALOGUE
+        if (dialogue and reply_text.strip() and not request.defer_history and reason in FINISHED
+                and await self.turns.once(request.turn_id, "history")):
+            await self.sessions.append(request.session_id, Exchange(request.user_text, reply_text.strip()))
 
     async def EndOfTurn(self, request, context: grpc.aio.ServicerContext):
         """P(the user's message ends after user_text), given the session's conversation
@@ -110,25 +207,60 @@ class LlmServicer(pb_grpc.LlmServicer):
             scorer = self._end_of_turn = self._end_of_turn or EndOfTurnScorer(
                 self.loaded, **({"max_history_exchanges": 1_000, "max_history_tokens": self.loaded.context_tokens}
                                 if self._scored_cache is not None else {}))
-            result = await self.worker.call(lambda: scorer.score(
-                request.user_text, persona, history, prefix_cache=self._scored_cache,
-                session_key=request.session_id))
+
+            def score():
+                self._check_fits(request.user_text, persona)
+                return scorer.score(request.user_text, persona, history, prefix_cache=self._scored_cache,
+                                    session_key=request.session_id)
+
+            result = await self.worker.call(score)
             return pb.EndOfTurnScore(probability=result.probability, prompt_tokens=result.prompt_tokens,
                                      compute_ms=result.compute_ms)
 
-    def _end_stream_later(self, writer: TokenStreamWriter, reason: str) -> None:
-        """Write the end entry from a task of its own: this generator may be closing."""
-        entry = TokenEntry(-1, (), "", 0, now_ms(), end=True, finish_reason=reason)
-        task = asyncio.get_running_loop().create_task(writer.append(entry))
+    def _check_fits(self, user_text: str, persona: str) -> None:
+        """PromptTooLongError where the text and persona alone overflow the model's context: one pass
+        over such a prompt took minutes and the OOM killer took the llm (a fuzzed 100,000-character
+        text). A token holds at least a byte, so a short text is let through without tokenizing it."""
+        context = self.loaded.context_tokens
+        if len(user_text.encode()) + len(persona.encode()) + 64 > context:
+            fit_history(self.loaded.tokenizer, Task.DIALOGUE, user_text, persona, (), context)
+
+    def _end_stream_later(self, writer: TurnLogWriter, reason: str) -> None:
+        """Write the end entry from a task of its own: the reply's generator may be closing."""
+        async def end() -> None:
+            with contextlib.suppress(LogMoved, LogGap, *REDIS_ERRORS):
+                await writer.append(_entry_fields(DecodeStep(writer.next_seq, (), "", reason)))
+
+        task = asyncio.get_running_loop().create_task(end())
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
-    async def _generation_request(self, request, session: dict[str, str]) -> tuple[GenerationRequest, Plan]:
-        """The request to decode, as planned against the turn's budget."""
+    async def _generation_request(self, request, session: dict[str, str]) -> tuple[GenerationRequest, tuple[str, ...]]:
+        """The request to decode, as planned against the turn's budget, and what the plan gave up.
+
+        The plan (prompt ids, token limit, drafter) is recorded with the turn the first time; a
+        worker resuming the turn decodes the recorded one, whatever time is left by then.
+        """
         if not request.user_text.strip():
             raise ValueError("user_text is empty")
-        if not request.turn_id:
-            raise ValueError("turn_id is empty")
+        options = self.settings.llm
+        recorded = await self.redis.client.hget(turn_key(request.turn_id), "llm_plan")
+        if recorded is None:
+            generation, plan = await self._plan(request, session)
+            recorded = await self.turns.plan(request.turn_id, "llm", json.dumps({
+                "prompt": list(generation.prompt_ids), "max_new_tokens": generation.max_new_tokens,
+                "drafter": generation.drafter, "max_draft_tokens": generation.max_draft_tokens,
+                "degradations": list(plan.degradations)}))
+        kept = json.loads(recorded)
+        generation = GenerationRequest(
+            tuple(kept["prompt"]), kept["max_new_tokens"], kept["drafter"], _sampling(request.sampling),
+            max_draft_tokens=kept["max_draft_tokens"], adaptive_draft=options.adaptive_draft,
+            stop_strings=tuple(request.stop), session_key=request.session_id)
+        self.generator.check(generation)
+        return generation, tuple(kept["degradations"])
+
+    async def _plan(self, request, session: dict[str, str]) -> tuple[GenerationRequest, Plan]:
+        """The request as planned now against the turn's budget."""
         task = TASKS.get(request.task, Task.DIALOGUE)
         history = await self.sessions.history(request.session_id) if task is Task.DIALOGUE else ()
         persona = request.system_prompt or session.get("system_prompt") or DEFAULT_PERSONA
@@ -169,7 +301,7 @@ def _sampling(s) -> SamplingOptions:
                            seed=s.seed if s.HasField("seed") else None).validate()
 
 
-def _entry(step: DecodeStep) -> TokenEntry:
+def _entry_fields(step: DecodeStep, extra: dict | None = None) -> dict[str, str | int]:
     return TokenEntry(
         seq=step.seq,
         token_ids=step.token_ids,
@@ -178,7 +310,25 @@ def _entry(step: DecodeStep) -> TokenEntry:
         emitted_unix_ms=now_ms(),
         end=step.finish_reason is not None,
         finish_reason=step.finish_reason or "",
-    )
+        extra={k: str(v) for k, v in (extra or {}).items()},
+    ).fields()
+
+
+def _logged_step(entry: TokenEntry):
+    """A step as its log holds it (a reply resumed or read again)."""
+    step = pb.ReplyStep(seq=max(0, entry.seq), token_ids=list(entry.token_ids), text_delta=entry.text,
+                        accepted=entry.accepted, end=entry.end, finish_reason=entry.finish_reason,
+                        prefix_cached_tokens=int(entry.extra.get("cached", 0)))
+    if "times" in entry.extra:
+        json_format.Parse(entry.extra["times"], step.times)
+    return step
+
+
+async def _end_log(redis, turn_id: str, reason: str, error: str, ttl_s: int) -> None:
+    """End a turn's token log that no worker will write any more (its request refused, given up)."""
+    seq = int(await redis.hget(turn_key(turn_id), "llm_seq") or -1) + 1
+    entry = TokenEntry(seq, (), "", 0, now_ms(), end=True, finish_reason=reason, extra={"error": error})
+    await TokenStreamWriter(redis, turn_id, ttl_s).append(entry)
 
 
 def _budget(request) -> TurnBudget:
@@ -208,17 +358,16 @@ def _reply_step(step: DecodeStep, clock: StageClock, degradations: tuple[str, ..
     )
 
 
-async def run(settings: Settings) -> None:
+async def build(settings: Settings) -> Service:
+    """The llm service for run_service: the model loaded and warmed before it serves."""
     redis = await open_redis(settings)
     print(f"specvox llm loading {settings.llm.model} ({settings.llm.dtype} on {settings.llm.device})", flush=True)
     loaded = load_model(settings.llm)
     servicer = LlmServicer(settings, loaded, redis)
     servicer.generator.warm_up(drafters=tuple(dict.fromkeys(("none", settings.llm.drafter))))
-    await serve(
-        "llm",
-        lambda server: pb_grpc.add_LlmServicer_to_server(servicer, server),
-        [pb.DESCRIPTOR.services_by_name["Llm"].full_name],
-        f"{settings.host}:{settings.llm_port}",
-        settings.max_message_bytes,
-        on_stop=redis.close,
-    )
+    return Service("llm", lambda server: pb_grpc.add_LlmServicer_to_server(servicer, server),
+                   workers=[servicer.work], close=redis.close)
+
+
+if __name__ == "__main__":
+    service_main(build)

@@ -7,6 +7,7 @@ Nested values use `__` in the environment: SPECVOX_LLM__MODEL=/models/smol.gguf.
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
@@ -16,6 +17,12 @@ from pipeline.llm.model import LlmOptions
 from pipeline.tts.backend import TtsOptions
 from pipeline.tts.phrases import PhraseOptions
 from pipeline.turn_taking import TurnTakingOptions
+from services.auth import AuthOptions
+from services.limits import LimitOptions
+from services.redis_store import RedisOptions
+from services.supervisor import SupervisorOptions
+from services.tls import TlsOptions
+from services.work_queue import WorkOptions
 
 CONFIG_ENV = "SPECVOX_CONFIG"
 DEFAULT_CONFIG_FILE = "specvox.toml"
@@ -25,6 +32,20 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="SPECVOX_", env_nested_delimiter="__", extra="forbid")
 
     redis_url: str | None = None  # None: start an embedded Valkey server
+    # Every client's retry deadline, backoff and timeouts; the embedded Valkey's data directory.
+    redis: RedisOptions = RedisOptions()
+    # How llm and tts workers share turns through Redis consumer groups (services/work_queue.py).
+    work: WorkOptions = WorkOptions()
+    # API keys at the gateway, the service credential inside (services/auth.py, docs/security.md).
+    auth: AuthOptions = AuthOptions()
+    # Certificates: server TLS, mutual TLS, the clients' CA (services/tls.py).
+    tls: TlsOptions = TlsOptions()
+    # What one API key (tenant) may hold or ask; RESOURCE_EXHAUSTED past each (services/limits.py).
+    limits: LimitOptions = LimitOptions()
+    # Prometheus /metrics of this process on this port (0: none); `specvox up` gives the gateway
+    # this port and asr, llm, tts the next three (services/metrics.py).
+    metrics_port: int = 0
+    log_format: str = "text"  # text, or json: one object a line with session_id, turn_id (services/logs.py)
     host: str = "127.0.0.1"
     gateway_port: int = 50050
     asr_port: int = 50051
@@ -38,6 +59,14 @@ class Settings(BaseSettings):
     # The Coqui backend needs its own environment: tts_python = ".venv-coqui/bin/python".
     tts_python: str = ""
     max_message_bytes: int = 4 * 1024 * 1024
+    # This process's stable name among a stage's workers (its Redis consumer name, its logs);
+    # `specvox up` passes llm-0, llm-1, ...; empty: <service>-<host>-<pid> (worker_name_of).
+    worker_name: str = ""
+    # On SIGTERM a service takes no new call and gives those in flight, and its workers, this
+    # long to finish (services/grpc_server.run_service); `specvox up` SIGKILLs a child past it.
+    drain_grace_s: float = 10.0
+    # How `specvox up` restarts a crashed child, when it gives up, worker ports (services/supervisor.py).
+    supervisor: SupervisorOptions = SupervisorOptions()
     turn_budget_ms: int = 800
     token_stream_ttl_s: int = 3600
     session_ttl_s: int = 24 * 3600
@@ -67,6 +96,11 @@ class Settings(BaseSettings):
         elif CONFIG_ENV in os.environ:
             raise FileNotFoundError(f"{CONFIG_ENV} names {path}, which does not exist")
         return sources
+
+    def worker_name_of(self, service: str) -> str:
+        """`worker_name`, or one unique to this process: a restarted worker named by `specvox up`
+        keeps its name (and takes its own pending work back); an unnamed one never collides."""
+        return self.worker_name or f"{service}-{socket.gethostname()}-{os.getpid()}"
 
     def address(self, service: str) -> str:
         explicit = getattr(self, f"{service}_address", "")

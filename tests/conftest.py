@@ -29,8 +29,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def redis_url() -> Iterator[str]:
+    """A Valkey of the test module's own. Stacks that share a Redis share its work queues (that
+    is how workers scale out), so a stack left running by another module would take this
+    module's turns: each module's workers, and what its tests read back, stay on their own."""
     with EmbeddedRedis() as server:
         yield server.url
 
@@ -81,9 +84,9 @@ def specvox_up(redis_url: str, log_dir: Path, env: dict[str, str] | None = None,
 
 
 @pytest.fixture(scope="session")
-def stack(redis_url, tmp_path_factory) -> Iterator[dict[str, str]]:
-    """The four services, started by `specvox up`."""
-    with specvox_up(redis_url, tmp_path_factory.mktemp("stack")) as addresses:
+def stack(tmp_path_factory) -> Iterator[dict[str, str]]:
+    """The four services, started by `specvox up` on a Valkey of their own (see redis_url)."""
+    with EmbeddedRedis() as server, specvox_up(server.url, tmp_path_factory.mktemp("stack")) as addresses:
         yield addresses
 
 

@@ -214,6 +214,12 @@ def test_words_whisper_adds_to_the_silence_after_the_speech_are_dropped():
     # Once the speech has ended, an unsure last word goes too; an unsure word inside the speech stays.
     assert texts(spoken_words(hypothesis, utterance, ended=True, tail_min_probability=0.5)) == ["how", "now?"]
     assert texts(spoken_words(hypothesis, utterance, ended=False, tail_min_probability=0.5)) == ["how", "now?", "And"]
+    # An unsure last word begun well inside the speech is a real one whisper misheard ("Why do cats [purr]?").
+    # "And" began 0.1 s before the end of speech: still whisper's.
+    assert texts(spoken_words(hypothesis, utterance, True, 0.5, tail_inside_s=0.15)) == ["how", "now?"]
+    unsure_last = [Word(" why", 0.5, 1.5, 0.9), Word(" purr?", 1.75, 2.05, 0.12)]  # begins 0.25 s before the end
+    assert texts(spoken_words(unsure_last, utterance, True, 0.3, tail_inside_s=0.15)) == ["why", "purr?"]
+    assert texts(spoken_words(unsure_last, utterance, True, 0.3)) == ["why"]  # by probability alone it went
     # The utterance said once more, every word aligned to one instant at the end of the speech.
     again = [Word(" how", 0.5, 0.8, 0.9), Word(" now?", 0.8, 1.95, 0.9), Word(" How", 1.95, 1.95, 0.8),
              Word(" now?", 1.95, 1.95, 0.95)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from collections.abc import Callable
 
 import pytest
@@ -34,6 +35,7 @@ from services.protos import load
 from tests.conftest import llm_on_loopback
 
 PROMPTS = load_prompts()
+DEVICE = os.environ.get("SPECVOX_LLM__DEVICE", "cpu")  # bench/gpu_check.sh runs these on cuda
 ALL_PROMPTS = [text for task in ("dialogue", "caption") for text in PROMPTS[task]]
 SOME_PROMPTS = ALL_PROMPTS[::2]  # half of each set, for the slower sampling cases
 DRAFTERS = ("none", "ngram", "suffix", "early-exit", "quantized", "draft")
@@ -41,9 +43,9 @@ DRAFTERS = ("none", "ngram", "suffix", "early-exit", "quantized", "draft")
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llm_dir):
-    target = load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float64"))
+    target = load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float64", device=DEVICE))
     torch.manual_seed(1)
-    draft = load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float64"))
+    draft = load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float64", device=DEVICE))
     with torch.no_grad():  # a drafter that is often right, not always
         for p in draft.model.parameters():
             p.add_(0.005 * torch.randn_like(p))
@@ -109,8 +111,10 @@ def stop_after(calls: int) -> Callable[[], bool]:
 
 def greedy_schedule(generator: Generator) -> list[Scheduled]:
     return [
+        # Each drafter's first request drafts a fixed γ (no guard: it always drafts); of the rest, two in
+        # three adapt, and the guard may turn their drafting off where it loses.
         Scheduled(GenerationRequest(encode(generator, text), 16 + (37 * i) % 81, DRAFTERS[i % len(DRAFTERS)],
-                                    adaptive_draft=i % 3 != 0), join_at=(5 * i) % 23)
+                                    adaptive_draft=i >= len(DRAFTERS) and i % 3 != 0), join_at=(5 * i) % 23)
         for i, text in enumerate(ALL_PROMPTS)
     ]
 
@@ -130,8 +134,9 @@ def test_greedy_rows_equal_the_single_request_generator_for_every_drafter(tiny):
     assert counters.ragged_steps > 0, "no step verified drafts of different lengths"
     assert counters.compactions > 0, "the cache was never compacted"
     accepted = {d: sum(s.stats.accepted_draft_tokens for item, steps in zip(schedule, batched, strict=True)
-                       for s in steps if s.stats and item.request.drafter == d) for d in DRAFTERS[1:]}
-    assert all(accepted.values()), f"some drafter never had a token accepted: {accepted}"
+                       for s in steps if s.stats and item.request.drafter == d and not item.request.adaptive_draft)
+                for d in DRAFTERS[1:]}
+    assert all(accepted.values()), f"some drafter's fixed drafts never had a token accepted: {accepted}"
 
 
 def test_greedy_rows_with_the_pass_capped_still_equal_the_single_request_generator(tiny):
@@ -190,6 +195,26 @@ def test_eos_stop_string_length_and_cancellation_of_one_row_while_others_continu
     assert finishes[3] in ("length", "eos") and len(batched[3]) > len(batched[2])  # went on after the cancel
     assert finishes[4] == "length" and len(tokens(batched[4])) == 7
     assert all(steps[-1].stats is not None for steps in batched)
+
+
+def test_a_batch_whose_guard_holds_drafting_off_drafts_only_its_rows_of_a_fixed_draft_length(tiny):
+    """The batch's guard decides for its rows whose γ is the engine's to choose (adaptive, not
+    seeded); a fixed draft length is the caller's, and stays. Output is what each row decodes alone."""
+    prompts = [encode(tiny, text) for text in ALL_PROMPTS[:4]]
+    adaptive = zip(prompts[:3], ("draft", "early-exit", "ngram"), strict=True)
+    requests = [*(GenerationRequest(p, 24, d) for p, d in adaptive),
+                GenerationRequest(prompts[3], 24, "ngram", adaptive_draft=False)]
+    decoder = BatchedDecoder(tiny, 4)
+    decoder.guard.turn_off(wait=10**6)  # as if drafting had lost in this batch
+    rows = [decoder.add(request) for request in requests]
+    steps: dict[int, list[DecodeStep]] = {id(row): [] for row in rows}
+    while decoder.rows:
+        for row, step in decoder.step():
+            steps[id(row)].append(step)
+    for row, request in zip(rows, requests, strict=True):
+        assert tokens(steps[id(row)]) == tokens(alone(tiny, Scheduled(request))), request.drafter
+    assert all(s.drafted == 0 for row in rows[:3] for s in steps[id(row)])
+    assert sum(s.drafted for s in steps[id(rows[3])]) > 0
 
 
 def test_a_row_cancelled_before_its_first_step_leaves_without_tokens(tiny):

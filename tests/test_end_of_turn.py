@@ -89,6 +89,12 @@ def test_marks_fold_matches_separate_passes(tiny_models):
         expected = math.exp(first[scorer.end_id])
         for mark in scorer.mark_ids:
             expected += math.exp(first[mark] + _next_logprobs(loaded, [*ids, mark])[scorer.end_id])
+        assert scorer.score(text + "?", "Be brief.", normalisation="marks").probability == pytest.approx(
+            expected, rel=1e-9)
+        lowered = scorer.prompt_ids(normalise(text + "?"), "Be brief.", ())  # the default, lower-marks: the same fold
+        expected = math.exp(_next_logprobs(loaded, lowered)[scorer.end_id]) + sum(
+            math.exp(_next_logprobs(loaded, lowered)[m] + _next_logprobs(loaded, [*lowered, m])[scorer.end_id])
+            for m in scorer.mark_ids)
         assert scorer.score(text + "?", "Be brief.").probability == pytest.approx(expected, rel=1e-9)
         assert scorer.score(text, "Be brief.", normalisation="strip").probability == pytest.approx(
             math.exp(first[scorer.end_id]), rel=1e-9)
@@ -158,7 +164,10 @@ def test_a_score_on_the_sessions_prefix_cache_leaves_the_conversation_for_the_re
     assert cached.probability == pytest.approx(plain.probability, rel=1e-3)
     prompt = tuple(encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, text, DEFAULT_PERSONA, history)))
     reused = cached_generator.prefix_cache.reusable("s", prompt)
-    assert len(prompt) - 8 <= reused < len(prompt)  # the template's tail (and the "?") is what is left
+    # The score read the user's text lower-cased (lower-marks): the reply reuses the conversation
+    # before it, and prefills the user's own words and the template's tail itself.
+    user_tokens = len(loaded.tokenizer.encode(text, add_special_tokens=False))
+    assert len(prompt) - user_tokens - 8 <= reused <= len(prompt) - user_tokens
     request = GenerationRequest(prompt, 12, "none", session_key="s")
     with_cache = [t for step in cached_generator.steps(request) for t in step.token_ids]
     without = [t for step in Generator(loaded).steps(GenerationRequest(prompt, 12, "none")) for t in step.token_ids]

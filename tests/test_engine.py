@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -11,11 +13,12 @@ from pipeline.llm.model import LlmOptions, load_model
 from pipeline.llm.prompts import PromptTooLongError, Task, chat_messages, encode_chat
 
 PROMPTS = load_prompts()
+DEVICE = os.environ.get("SPECVOX_LLM__DEVICE", "cpu")  # bench/gpu_check.sh runs these on cuda
 
 
 @pytest.fixture(scope="module")
 def loaded():
-    return load_model(LlmOptions(dtype="float32"))
+    return load_model(LlmOptions(dtype="float32", device=DEVICE))
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +40,7 @@ def test_steps_equal_hugging_face_greedy_generate(loaded, generator, text):
     steps = list(generator.steps(GenerationRequest(ids, max_new_tokens=32)))
     ours = [t for s in steps for t in s.token_ids]
     with torch.inference_mode():
-        out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+        out = loaded.model.generate(torch.tensor([ids], device=DEVICE), max_new_tokens=32, do_sample=False,
                                     eos_token_id=sorted(loaded.eos_token_ids), pad_token_id=0)
     theirs = [t for t in out[0, len(ids):].tolist() if t not in loaded.eos_token_ids]
     assert ours == theirs

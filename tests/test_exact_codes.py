@@ -7,12 +7,17 @@ through it decodes what Hugging Face's float32 greedy `generate()` decodes, with
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
+from torch.utils import cpp_extension
 
 from bench.prompts import load_prompts
 from pipeline.llm import exact_codes
@@ -25,7 +30,8 @@ from pipeline.llm.exact_codes import (
     pack_int8,
     unavailable_reason,
 )
-from pipeline.llm.model import LlmOptions, auto_weights, choose_weights, load_model
+from pipeline.llm.kv_cache import KVCache, layer_tensors
+from pipeline.llm.model import LlmOptions, auto_weights, choose_weights, load_model, rollback
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 from pipeline.models import resolve_llm
 
@@ -263,3 +269,108 @@ def test_the_default_settings_load_the_bundled_target_as_codes(caplog):
     assert [r.getMessage() for r in caplog.records if r.name == "pipeline.llm.model"] == [
         "llm weights: int4-exact (llm.weights=auto: a float32 Q4_1 checkpoint on a CPU with AVX-512: "
         "float32 outputs from the stored codes)"]
+
+
+DRAFT = [253, 1127, 30, 2365, 288, 260, 3267, 28]  # eight drafted tokens after the prompt
+
+
+def prefilled(loaded, text: str) -> tuple[list[int], KVCache]:
+    """A dialogue prompt's ids and the lean pass's cache holding all of them but the last."""
+    prompt = encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, text))
+    with torch.inference_mode():
+        cache = loaded.lean(input_ids=torch.tensor([prompt[:-1]]), logits_to_keep=1).cache
+    return prompt, cache
+
+
+@pytest.fixture(scope="module")
+def loaded_exact(bundled_exact):
+    return bundled_exact.loaded
+
+
+@needs_kernel
+def test_the_fused_step_computes_each_row_of_a_verification_as_its_own_one_token_pass(loaded_exact):
+    """Nine tokens in one C++ pass: every row's logits, hidden state, keys and values are bit for bit
+    what nine one-token passes compute, so speculative decoding equals plain decoding."""
+    fused = loaded_exact.lean
+    assert fused.step is not None
+    prompt, cache = prefilled(loaded_exact, "Why do cats purr?")
+    held, tokens = cache.get_seq_length(), torch.tensor([[prompt[-1], *DRAFT]])
+    with torch.inference_mode():
+        together = fused(input_ids=tokens, cache=cache, logits_to_keep=9)
+        keys, values = cache.keys[:, :, :, held : held + 9].clone(), cache.values[:, :, :, held : held + 9].clone()
+        rollback(cache, held)
+        alone = [fused(input_ids=tokens[:, i : i + 1], cache=cache, logits_to_keep=1) for i in range(9)]
+    assert torch.equal(together.logits, torch.cat([out.logits for out in alone], dim=1))
+    assert torch.equal(together.hidden, torch.cat([out.hidden for out in alone], dim=1))
+    assert torch.equal(cache.keys[:, :, :, held : held + 9], keys) and torch.equal(
+        cache.values[:, :, :, held : held + 9], values)
+    assert torch.equal(fused.linear(fused.normed(together.hidden), fused.lm_head), together.logits)
+
+
+@needs_kernel
+def test_the_fused_step_computes_what_torchs_operations_compute_on_the_same_codes(loaded_exact):
+    """The C++ pass and the torch-ops pass over the same codes sum in other orders: equal to float32
+    rounding, the same token at every position of a verification."""
+    fused = loaded_exact.lean
+    plain = fused.unfused()
+    assert plain.step is None
+    prompt, cache = prefilled(loaded_exact, "How do bees make honey?")
+    held, tokens = cache.get_seq_length(), torch.tensor([[prompt[-1], *DRAFT]])
+    with torch.inference_mode():
+        ours = fused(input_ids=tokens, cache=cache, logits_to_keep=9).logits
+        ours_keys = [k[:, :, held:].clone() for k, _ in layer_tensors(cache)]
+        rollback(cache, held)
+        theirs = plain(input_ids=tokens, cache=cache, logits_to_keep=9).logits
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-3)
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    for mine, (reference, _) in zip(ours_keys, layer_tensors(cache), strict=True):
+        torch.testing.assert_close(mine, reference[:, :, held:], rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_a_padded_batch_row_through_the_fused_step_is_the_request_alone(loaded_exact):
+    """Two requests of different lengths in one cache, left-padded, the shorter draft padded too: each
+    row's live logits are bit for bit its own pass's (the holes are skipped, not attended to)."""
+    fused = loaded_exact.lean
+    (a, cache_a), (b, cache_b) = prefilled(loaded_exact, "Why do cats purr?"), prefilled(loaded_exact,
+                                                                                        "Tell me about bees.")
+    la, lb = cache_a.get_seq_length(), cache_b.get_seq_length()
+    total = max(la, lb)
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t.new_zeros((*t.shape[:2], total - t.shape[2], t.shape[3])), t], dim=2)
+
+    pairs = [(torch.cat([padded(ka), padded(kb)]), torch.cat([padded(va), padded(vb)]))
+             for (ka, va), (kb, vb) in zip(layer_tensors(cache_a), layer_tensors(cache_b), strict=True)]
+    batch = KVCache.from_tensors(pairs)
+    kept = torch.zeros((2, total), dtype=torch.long)
+    kept[0, total - la :], kept[1, total - lb :] = 1, 1
+    ids = torch.tensor([[a[-1], *DRAFT[:2]], [b[-1], 0, 0]])
+    live = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    positions = torch.tensor([[la, la + 1, la + 2], [lb, lb + 1, lb + 2]])
+    with torch.inference_mode():
+        both = fused(input_ids=ids, cache=batch, attention_mask=torch.cat([kept, live], dim=1),
+                     position_ids=positions, logits_to_keep=3).logits
+        alone_a = fused(input_ids=ids[:1], cache=cache_a, logits_to_keep=3).logits
+        alone_b = fused(input_ids=ids[1:, :1], cache=cache_b, logits_to_keep=1).logits
+    assert torch.equal(both[0], alone_a[0]) and torch.equal(both[1, :1], alone_b[0])
+
+
+@needs_kernel
+def test_a_build_lock_left_by_a_killed_build_does_not_hang_the_next_load(tmp_path):
+    """torch's build lock is a plain file: a build killed midway leaves it, and torch's own loader
+    then waits on it forever. Ours takes it for stale under an flock no live builder holds."""
+    built = Path(exact_codes.kernels().__file__).parent  # the build this machine already has
+    name = exact_codes.kernel_name()
+    assert built.name == name
+    shutil.copytree(built, tmp_path / name, ignore=shutil.ignore_patterns("lock"))
+    (tmp_path / name / "lock").touch()  # as a killed build leaves it
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    assert Path(cpp_extension._get_build_directory(name, False)).parent != tmp_path  # the copy, not the cache
+    loaded = subprocess.run([sys.executable, "-c", "from pipeline.llm.exact_codes import kernels; "
+                             "print(kernels().__file__)"], env=env, capture_output=True, text=True, timeout=240,
+                            cwd=Path(__file__).resolve().parent.parent)
+    assert loaded.returncode == 0, loaded.stderr[-2000:]
+    assert loaded.stdout.strip().startswith(str(tmp_path / name)), loaded.stdout
+    assert "left by a kernel build that did not finish" in loaded.stderr
+    assert not (tmp_path / name / "lock").exists()

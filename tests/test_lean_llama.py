@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F  # noqa: N812
 
+from pipeline.llm.kv_cache import CHUNK_TOKENS, KVCache
 from pipeline.llm.lean_llama import LeanLlama, supports
-from pipeline.llm.model import LlmOptions, load_model
+from pipeline.llm.model import LlmOptions, load_model, rollback
 from pipeline.llm.weight_kernels import PackedLinear
 
 
@@ -103,3 +105,59 @@ def test_other_architectures_run_through_transformers():
     assert not supports(LlamaForCausalLM(scaled))
     with pytest.raises(ValueError, match="not a plain Llama"):
         LeanLlama(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)))
+
+
+def test_the_kv_cache_rolls_back_by_moving_its_length_and_grows_by_chunks(tiny64):
+    """A rejected tail is dropped without a copy; decoding on after it computes what a fresh prefill
+    of the kept tokens computes; past its capacity the cache grows by a chunk and stays right."""
+    from transformers import DynamicCache
+
+    lean = tiny64.lean
+    assert lean is not None
+    prompt = [5, 9, 12, 7, 3, 8, 40]
+    with torch.inference_mode():
+        cache = lean(input_ids=torch.tensor([prompt])).cache
+        assert isinstance(cache, KVCache) and cache.get_seq_length() == 7 and cache.capacity == CHUNK_TOKENS
+        buffer = cache.keys.data_ptr()
+        lean(input_ids=torch.tensor([[11, 2, 600, 31]]), cache=cache, logits_to_keep=4)
+        rollback(cache, 8)  # a draft of three, none accepted: 11 is kept
+        assert cache.get_seq_length() == 8 and cache.keys.data_ptr() == buffer
+        resumed = lean(input_ids=torch.tensor([[21]]), cache=cache, logits_to_keep=1).logits
+        fresh = lean(input_ids=torch.tensor([[*prompt, 11, 21]]), logits_to_keep=1).logits
+        torch.testing.assert_close(resumed, fresh, rtol=0, atol=1e-12)
+        # one token at a time past the first chunk, beside transformers' DynamicCache filled by the same pass
+        dynamic = lean(input_ids=torch.tensor([[*prompt, 11, 21]]), cache=DynamicCache(config=lean.config)).cache
+        assert isinstance(dynamic, DynamicCache)
+        for i in range(CHUNK_TOKENS):
+            token = torch.tensor([[(7 * i) % 500 + 1]])
+            ours = lean(input_ids=token, cache=cache, logits_to_keep=1).logits
+            theirs = lean(input_ids=token, cache=dynamic, logits_to_keep=1).logits
+        assert cache.get_seq_length() == dynamic.get_seq_length() == 9 + CHUNK_TOKENS
+        assert cache.capacity == 2 * CHUNK_TOKENS
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+        for mine, reference in zip(cache.layers, dynamic.layers, strict=True):
+            torch.testing.assert_close(mine.keys, reference.keys, rtol=0, atol=1e-12)
+            torch.testing.assert_close(mine.values, reference.values, rtol=0, atol=1e-12)
+
+
+def test_the_pass_hands_out_the_last_layers_output_before_the_final_norm(tiny64):
+    """`hidden` is what the last decoder layer of transformers' model outputs at the kept positions,
+    and the logits are the output matrix times its final norm."""
+    model, lean = tiny64.model, tiny64.lean
+    assert lean is not None
+    ids = torch.tensor([[5, 9, 12, 7, 3, 8, 40]])
+    captured: list[torch.Tensor] = []
+
+    def keep(module, inputs, output):
+        captured.append(output[0] if isinstance(output, tuple) else output)
+
+    hook = model.model.layers[-1].register_forward_hook(keep)
+    try:
+        with torch.inference_mode():
+            model(input_ids=ids)
+            ours = lean(input_ids=ids, logits_to_keep=3)
+    finally:
+        hook.remove()
+    assert ours.hidden is not None and ours.hidden.shape == (1, 3, model.config.hidden_size)
+    torch.testing.assert_close(ours.hidden, captured[0][:, -3:], rtol=0, atol=1e-12)
+    assert torch.equal(F.linear(lean.normed(ours.hidden), lean.lm_head), ours.logits)

@@ -20,6 +20,7 @@ import torch
 
 from pipeline.llm.batch import BatchedDecoder, BatchScheduler, _Pending
 from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator
+from pipeline.llm.kv_cache import KVCache
 from pipeline.llm.model import LlmOptions, load_model
 from pipeline.llm.prefix_cache import PrefixCache, common_prefix
 from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, chat_messages, encode_chat
@@ -179,12 +180,17 @@ def test_a_turn_restarted_in_the_batch_finds_what_its_cancelled_turn_left(tiny):
     assert [t for s in steps for t in s.token_ids] == [t for s in reference for t in s.token_ids]
 
 
-def test_a_taken_cache_is_rolled_back_to_the_common_prefix():
+@pytest.mark.parametrize("kind", ("KVCache", "DynamicCache"))
+def test_a_taken_cache_is_rolled_back_to_the_common_prefix(kind):
+    """The lean pass's preallocated cache and transformers' (a target run through its own modules)."""
     from transformers import DynamicCache
 
-    cache = DynamicCache()
     keys = torch.randn(1, 2, 10, 4)
-    cache.update(keys, keys + 1, 0)
+    if kind == "KVCache":
+        cache = KVCache.from_tensors([(keys, keys + 1)])
+    else:
+        cache = DynamicCache()
+        cache.update(keys, keys + 1, 0)
     store = PrefixCache(sessions=1)
     store.put("s", list(range(10)), cache)
     assert store.reusable("s", [0, 1, 2, 3, 9, 9]) == 4

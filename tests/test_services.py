@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pipeline.audio import float_to_pcm16
+from pipeline.turn_taking import DEFAULT_BACKCHANNELS, TurnTaking
 from services.client import ClientOptions, converse, write_outputs
 from services.protos import load, load_common
 from services.redis_store import SessionStore, TurnStore, connect
@@ -124,7 +125,10 @@ async def expect_status(code: grpc.StatusCode, fragment: str, call) -> None:
 
 
 async def expect_stream_status(code: grpc.StatusCode, fragment: str, call, messages: list) -> None:
-    """Send the first message, wait for the server's READY (or its error), then the rest."""
+    """Send the first message, wait for the server's READY (or its error), then the rest.
+
+    The message the server rejects must be the last: a write after the server has ended the call
+    fails in the client's own core, which then reports INTERNAL instead of the server's status."""
     try:
         await call.write(messages[0])
         if len(messages) > 1:
@@ -163,6 +167,8 @@ async def test_asr_rejects_bad_input_then_transcribes(channels, session_id, spee
         (grpc.StatusCode.INVALID_ARGUMENT, "first message", [audio]),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max",
          [pcm_config(session_id), asr.TranscribeRequest(audio=FIFTY_MB)]),
+        (grpc.StatusCode.INVALID_ARGUMENT, "context.expected_phrases",
+         [pcm_config(session_id), asr.TranscribeRequest(context=asr.Context(expected_phrases=["okay"] * 200))]),
     ]
     for code, fragment, requests in bad:
         await expect_stream_status(code, fragment, stub.Transcribe(), requests)
@@ -170,6 +176,22 @@ async def test_asr_rejects_bad_input_then_transcribes(channels, session_id, spee
     assert events[0].kind == asr.TranscriptEvent.READY
     finals = [e for e in events if e.kind == asr.TranscriptEvent.FINAL]
     assert len(finals) == 1 and normalise(finals[0].text) == "good morning to you"
+
+
+async def test_asr_context_prompts_whisper_with_the_expected_phrases(channels, session_id, speech):
+    """A murmured "Mm-hmm." (the Piper voice), which whisper tiny writes as words ("In a moment.")
+    unprompted, comes out as a backchannel once the gateway's context names the backchannels."""
+    stub = asr_grpc.AsrStub(channels["asr"])
+    murmur = asr.TranscribeRequest(audio=float_to_pcm16(speech("Mm-hmm.")))
+    context = asr.TranscribeRequest(context=asr.Context(expected_phrases=list(DEFAULT_BACKCHANNELS)))
+    finals = [e.text async for e in stub.Transcribe(iter([pcm_config(session_id), context, murmur]))
+              if e.kind == asr.TranscriptEvent.FINAL]
+    assert finals and all(TurnTaking()._backchannel(f) for f in finals), finals
+    # A context ahead of speech that is no backchannel leaves its words alone.
+    question = asr.TranscribeRequest(audio=float_to_pcm16(speech("Stop, how many legs does a spider have?")))
+    finals = [e.text async for e in stub.Transcribe(iter([pcm_config(session_id), context, question]))
+              if e.kind == asr.TranscriptEvent.FINAL]
+    assert "spider" in normalise(" ".join(finals)), finals
 
 
 async def test_llm_rejects_bad_input_then_replies(channels, stack, session_id):

@@ -123,6 +123,36 @@ def test_voice_heard_again_during_the_wait_holds_the_turn_until_it_is_decided():
     assert of(talk(VoiceEnded(), at=0.8), ConfirmTurn) == [ConfirmTurn(turn)]
 
 
+@pytest.mark.parametrize("said", ["Hello?", "Hello? Hello?", "Hey there,", "Excuse me.", "I have a question."])
+def test_an_opening_alone_waits_for_more_silence_whatever_its_score(said):
+    """After a history the model may score a lone "Hello?" as a whole message; the user is
+    likely to go on ("Hello, … can you tell me"), so the turn waits `incomplete_wait_s`."""
+    talk = Talk(end_of_turn_threshold=0.01, incomplete_wait_s=0.7)
+    first = of(talk(Final(0, said)), StartTurn)[0]
+    assert of(talk(EndOfTurnScored(first.turn_id, 0.9), at=0.1), ConfirmTurn) == []
+    assert of(talk(SpeechStarted(1), at=0.5), CancelTurn) == [CancelTurn(first.turn_id)]  # it went on
+    second = of(talk(Final(1, "can you tell me a fun fact about owls?"), at=2.5), StartTurn)[0]
+    assert second.user_text == f"{said} can you tell me a fun fact about owls?"
+    assert of(talk(EndOfTurnScored(second.turn_id, 0.9), at=2.6), ConfirmTurn) == [ConfirmTurn(second.turn_id)]
+    # Said alone, it is answered once the wait is over.
+    talk = Talk(end_of_turn_threshold=0.01, incomplete_wait_s=0.7)
+    turn = of(talk(Final(0, said)), StartTurn)[0].turn_id
+    talk(EndOfTurnScored(turn, 0.9), at=0.1)
+    assert of(talk(Tick(), at=0.65), ConfirmTurn) == []
+    assert of(talk(Tick(), at=0.71), ConfirmTurn) == [ConfirmTurn(turn)]
+
+
+@pytest.mark.parametrize("said", ["Hello, how are you?", "Yes.", "Hi, what time is it?", "So what?"])
+def test_more_than_an_opening_is_confirmed_by_its_score(said):
+    talk = Talk(end_of_turn_threshold=0.01)
+    confirmed_turn(talk, said, score=0.05)
+
+
+def test_no_openers_lets_the_score_alone_decide():
+    talk = Talk(end_of_turn_threshold=0.01, openers=())
+    confirmed_turn(talk, "Hello?", score=0.05)
+
+
 def test_a_threshold_of_zero_confirms_at_the_final():
     talk = Talk(end_of_turn_threshold=0.0)
     actions = talk(Final(0, "Hi"))
@@ -162,7 +192,8 @@ def test_barge_in_while_the_reply_is_still_written_cancels_its_work():
 
 
 @pytest.mark.parametrize("said", ["Yeah.", "mm-hmm", "Okay, okay.", "Right.", "Uh-huh.",
-                                  "yeah yeah yeah yeah yeah", "ok ok ok ok ok", "Mmmmmm", "N M M", "mm-m-m"])
+                                  "yeah yeah yeah yeah yeah", "ok ok ok ok ok", "Mmmmmm", "N M M", "mm-m-m",
+                                  "Mm -hmm. Mm -hm. Mm -m -h."])
 def test_a_backchannel_pauses_then_resumes_and_the_reply_completes(said):
     talk = Talk()
     turn = confirmed_turn(talk)

@@ -5,7 +5,8 @@ One GPU serves many avatars, and a target pass over B rows costs far less than B
 options, RNG and stopping rules, exactly as in the single-request `Generator`
 (pipeline/llm/engine.py); only the verification forward is shared.
 
-The rows share one Hugging Face `DynamicCache` whose slots are physical: each step
+The rows share one KV cache (the lean pass's preallocated `KVCache`, or transformers'
+`DynamicCache` where the target runs through its own modules) whose slots are physical: each step
 appends T = max(γ_r) + 1 slots to every row, a row with a shorter draft pads, and a row
 that accepts n of its γ_r drafted tokens keeps n + 1 of them. The slots a row does not
 keep (padding, the rejected tail) become holes in a 2-D attention mask, and each row's
@@ -30,7 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.llm.draft_length import DraftGuard, VerifyCost
 from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator, RequestDecoder
+from pipeline.llm.kv_cache import cache_like, layer_tensors, replace_layers
 
 COMPACT_MIN_HOLES = 32  # compact once every row has at least this many dead slots …
 COMPACT_FRACTION = 0.25  # … and they are this share of the cache
@@ -68,11 +71,19 @@ class BatchedDecoder:
         self.max_batch_size = max_batch_size
         self.max_verify_tokens = max_verify_tokens
         self.rows: list[RequestDecoder] = []
-        self.cache = None  # a DynamicCache [B, H, L, D] per layer, or None while L = 0
+        self._over: list[tuple[RequestDecoder, DecodeStep]] = []  # resumed requests over before they start
+        self.cache = None  # a KVCache or DynamicCache, [B, H, L, D] per layer, or None while L = 0
         self.kept = torch.zeros((0, 0), dtype=torch.bool, device=self.loaded.device)  # [B, L]: live slots
         tokenizer = self.loaded.tokenizer
         self.pad_id = int(getattr(tokenizer, "pad_token_id", None) or 0)
         self.counters = BatchCounters()
+        # Drafting on or off for the whole batch, from what its steps measured (the rows' own guards
+        # time passes of one row): a drafting step's seconds (every row's drafting, the pass) per
+        # committed token against a plain pass of the batch's rows per row, from a line fitted
+        # through pass time over positions (rows × width).
+        self.guard = DraftGuard()
+        self.pass_cost = VerifyCost()
+        self.features: torch.Tensor | None = None  # the last pass's features, which head drafters read
 
     @property
     def max_gamma(self) -> int:
@@ -91,6 +102,10 @@ class BatchedDecoder:
             raise RuntimeError(f"the batch is full ({self.max_batch_size} rows)")
         self.generator.check(request)
         row = RequestDecoder(self.generator, request, should_stop)
+        over = row.over_at_start()
+        if over is not None:  # its last step comes with the next `step`; it never joins
+            self._over.append((row, over))
+            return row
         cache = self.generator.prefill(row)
         if cache is not None:
             _require_full_attention(cache)
@@ -100,13 +115,13 @@ class BatchedDecoder:
 
     def clear(self) -> None:
         """Drop every row and the cache (after a failed step, whose state cannot be trusted)."""
-        self.rows, self.cache, self.kept = [], None, self.kept[:0, :0]
+        self.rows, self.cache, self.kept, self._over = [], None, self.kept[:0, :0], []
 
     @torch.inference_mode()
     def drop_stopped(self) -> list[tuple[RequestDecoder, DecodeStep]]:
         """Cancel the rows whose `should_stop` says so: each leaves with its last step."""
         stopped = [i for i, row in enumerate(self.rows) if row.should_stop()]
-        out = [(self.rows[i], self.rows[i].cancelled()) for i in stopped]
+        out, self._over = [*self._over, *((self.rows[i], self.rows[i].cancelled()) for i in stopped)], []
         self._leave(stopped)
         return out
 
@@ -115,20 +130,33 @@ class BatchedDecoder:
         out = self.drop_stopped()
         if not self.rows:
             return out
+        drafting = self.guard.drafting() if any(row.guard is not None for row in self.rows) else None
         for row in self.rows:
-            row.propose(self.max_gamma)
+            row.propose(self.max_gamma, drafting)
         logits, target_s = self._verify_forward()
         finished = []
         for i, row in enumerate(self.rows):
-            n = row.verify(logits[i, : len(row.draft) + 1], target_s, own_pass=False)
+            n = row.verify(logits[i, : len(row.draft) + 1], target_s, own_pass=False,
+                           features=None if self.features is None else self.features[i, : len(row.draft) + 1])
             self.kept[i, self.kept.shape[1] - logits.shape[1] + n + 1:] = False  # the rejected tail and padding
             step = row.emit()
             out.append((row, step))
             if step.finish_reason:
                 finished.append(i)
+        self._judge(drafting, target_s, logits.shape[1])
         self._leave(finished)
         self._maybe_compact()
         return out
+
+    def _judge(self, drafting: bool | None, target_s: float, width: int) -> None:
+        """After the rows' verification: the pass's time at its positions, and a drafting step's
+        cost (every row's drafting and the pass) per token the rows committed, for the guard."""
+        rows = len(self.rows)
+        self.pass_cost.observe(rows * width, target_s)
+        if drafting:
+            plain = self.pass_cost.seconds(rows)
+            self.guard.observe(target_s + sum(row.draft_s for row in self.rows),
+                               sum(len(row.committed) for row in self.rows), None if plain is None else plain / rows)
 
     def _verify_forward(self) -> tuple[torch.Tensor, float]:
         """One target pass over [last, x_1..x_γ] of every row, padded to the longest: logits [B, T, V]."""
@@ -153,6 +181,7 @@ class BatchedDecoder:
             torch.cuda.synchronize(device)  # the stats time the pass, not its launch
         target_s = time.perf_counter() - started
         self.cache = result.cache
+        self.features = getattr(result, "hidden", None)  # [B, T, D] for head drafters (`LeanOutput.hidden`)
         self.kept = mask
         counters = self.counters
         counters.steps += 1
@@ -172,17 +201,17 @@ class BatchedDecoder:
         kept_new[0, total - length:] = True
         kept_old = torch.cat([torch.zeros((self.kept.shape[0], total - batch_length), dtype=torch.bool,
                                           device=device), self.kept], dim=1)
-        if cache is not None or self.cache is not None:
-            base = self.cache if self.cache is not None else cache
-            for i, layer in enumerate(base.layers):
-                template = layer.keys if layer.is_initialized else None
-                old = self.cache.layers[i] if self.cache is not None else None
-                new = cache.layers[i] if cache is not None else None
-                for name in ("keys", "values"):
-                    a = _left_pad(getattr(old, name) if old else None, len(self.rows), total, template)
-                    b = _left_pad(getattr(new, name) if new else None, 1, total, template)
-                    setattr(layer, name, torch.cat([a, b], dim=0))
-            self.cache = base
+        base = self.cache if self.cache is not None else cache
+        if base is not None:
+            old = layer_tensors(self.cache) if self.cache is not None else None
+            new = layer_tensors(cache) if cache is not None else None
+            pairs = []
+            for i, (template, _) in enumerate(layer_tensors(base)):
+                keys, values = (torch.cat([_left_pad(old[i][j] if old else None, len(self.rows), total, template),
+                                           _left_pad(new[i][j] if new else None, 1, total, template)], dim=0)
+                                for j in (0, 1))
+                pairs.append((keys, values))
+            self.cache = replace_layers(base, pairs)
         self.kept = torch.cat([kept_old, kept_new], dim=0)
 
     def _leave(self, indices: list[int]) -> None:
@@ -199,9 +228,8 @@ class BatchedDecoder:
         index = torch.tensor(stay, device=self.loaded.device)
         self.kept = self.kept.index_select(0, index)
         if self.cache is not None:
-            for layer in self.cache.layers:
-                layer.keys = layer.keys.index_select(0, index)
-                layer.values = layer.values.index_select(0, index)
+            self.cache = replace_layers(self.cache, [(k.index_select(0, index), v.index_select(0, index))
+                                                     for k, v in layer_tensors(self.cache)])
         self._maybe_compact()
 
     def _remember(self, i: int) -> None:
@@ -209,14 +237,10 @@ class BatchedDecoder:
         row = self.rows[i]
         if not (self.generator.prefix_cache.sessions and row.request.session_key) or self.cache is None:
             return
-        from transformers import DynamicCache
-
         live = self.kept[i].nonzero().squeeze(1)
-        cache = DynamicCache(config=self.loaded.model.config)
-        for index, layer in enumerate(self.cache.layers):
-            cache.update(layer.keys[i : i + 1].index_select(2, live), layer.values[i : i + 1].index_select(2, live),
-                         index)
-        self.generator.remember(row, cache)
+        pairs = [(k[i : i + 1].index_select(2, live), v[i : i + 1].index_select(2, live))
+                 for k, v in layer_tensors(self.cache)]
+        self.generator.remember(row, cache_like(self.cache, pairs, self.loaded.model.config))
 
     def _maybe_compact(self) -> None:
         """Gather each row's live slots, in order, to the right end of a shorter cache."""
@@ -229,11 +253,12 @@ class BatchedDecoder:
             return
         order = torch.sort(self.kept.to(torch.int8), dim=1, stable=True).indices[:, holes:]  # dead first, then live
         self.kept = torch.gather(self.kept, 1, order)
-        for layer in self.cache.layers:
-            b, h, _, d = layer.keys.shape
+        pairs = []
+        for keys, values in layer_tensors(self.cache):
+            b, h, _, d = keys.shape
             index = order[:, None, :, None].expand(b, h, live, d)
-            layer.keys = torch.gather(layer.keys, 2, index)
-            layer.values = torch.gather(layer.values, 2, index)
+            pairs.append((torch.gather(keys, 2, index), torch.gather(values, 2, index)))
+        self.cache = replace_layers(self.cache, pairs)
         self.counters.compactions += 1
 
 

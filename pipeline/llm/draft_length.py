@@ -20,6 +20,15 @@ usually right or wrong as a whole, and a longer match is more often right. For t
 `MatchAcceptance` keeps, per matched-suffix length, the conditional acceptance of each
 draft position, and the step verifies the prefix of the proposal that maximises
 expected tokens over cost.
+
+The model above chooses γ; `DraftGuard` decides whether drafting runs at all, from what it
+costs as measured: a draft step's seconds (the drafter's, a draft model's catch-up over
+tokens it missed included, plus the verification pass) per token it committed, against a
+plain step's seconds per token. It serves one request stream (the single path, per
+drafter) or one batch (`pipeline/llm/batch.py`), whose plain cost is its own pass at width 1.
+A model drafter's c is measured on its one- and two-token passes only (`DraftCost`) and kept
+across requests, so that a request does not start from an optimistic prior and a catch-up
+over many tokens is not mistaken for the price of a draft token.
 """
 
 from __future__ import annotations
@@ -66,6 +75,14 @@ class VerifyCost:
         self._y = f * self._y + seconds
         self._xx = f * self._xx + x * x
         self._xy = f * self._xy + x * seconds
+
+    def seconds(self, tokens: int) -> float | None:
+        """The fitted time of a pass over `tokens` tokens (None before any pass)."""
+        if self._w <= 0:
+            return None
+        b = self.per_token
+        t0 = self._y / (self._w + b * self._x)  # the mean pass, with the fitted (or prior) slope b = t1 / t0
+        return t0 * (1.0 + b * (tokens - 1))
 
     @property
     def per_token(self) -> float:
@@ -126,6 +143,93 @@ def _bucket(match: int) -> int:
 
 
 @dataclass
+class DraftCost:
+    """c for one model drafter, kept across requests: an exponential moving average of its
+    steady draft passes (one or two new tokens) over a plain target step. Catch-ups over more
+    tokens (a request's prompt, the tokens decoded while the guard held drafting off) are
+    left out: they are paid once per catch-up, not per draft token, and `DraftGuard` counts
+    them where they are paid."""
+
+    value: float = 0.0  # before anything is measured: free, so the first step measures it
+    smoothing: float = 0.3
+    alpha: float = 0.6  # the drafter's acceptance as the last request left it: the next one starts there
+    measured: int = 0
+    _plain_steps: int = 0  # the model's probes (DraftLengthController.next_gamma) back off across requests
+    _probe_wait: int = 0
+
+    def observe(self, ratio: float) -> None:
+        self.value = ratio if not self.measured else self.value + self.smoothing * (ratio - self.value)
+        self.measured += 1
+
+
+@dataclass
+class DraftGuard:
+    """Never slower than plain decoding: drafting runs only while it measures cheaper per token.
+
+    Rule. Over draft steps the guard keeps exponentially forgotten sums of seconds S and
+    committed tokens N (a step's seconds: the drafter's time, catch-up included, plus the
+    verification pass; its tokens: accepted + 1). Once N holds `min_tokens`, drafting goes
+    off when S / N exceeds `plain_s`, a plain step's seconds per token as the caller measures
+    it. While off, every step is plain; after `wait` plain steps a probe drafts again until
+    it has committed `min_tokens`, judged on its own sums: cheaper, drafting stays on;
+    dearer, off again and the wait doubles (from `probe_every` up to `probe_max`), so a
+    drafter that keeps losing costs ever less to re-check. A probe pays its catch-up, which
+    is what turning drafting back on costs.
+    """
+
+    probe_every: int = 32
+    probe_max: int = 1024
+    min_tokens: int = 16
+    forget: float = 0.9
+    on: bool = True
+    switches: int = 0  # times drafting went off
+    _seconds: float = 0.0
+    _tokens: float = 0.0
+    _committed: int = 0  # tokens since drafting (re)started: decisions wait for min_tokens
+    _probing: bool = False
+    _wait: int = 0
+    _backoff: int = 0
+
+    def drafting(self) -> bool:
+        """Whether the next step drafts. A plain step while off counts toward the next probe."""
+        if self.on:
+            return True
+        if self._wait > 0:
+            self._wait -= 1
+            return False
+        self.on, self._probing = True, True
+        self._seconds = self._tokens = 0.0
+        self._committed = 0
+        return True
+
+    @property
+    def cost_per_token(self) -> float | None:
+        return self._seconds / self._tokens if self._tokens else None
+
+    def observe(self, seconds: float, tokens: int, plain_s: float | None) -> None:
+        """A draft step took `seconds` and committed `tokens`; a plain step costs `plain_s` a token."""
+        f = self.forget
+        self._seconds = f * self._seconds + seconds
+        self._tokens = f * self._tokens + tokens
+        self._committed += tokens
+        if plain_s is None or self._committed < self.min_tokens:
+            return
+        losing = self._seconds / self._tokens > plain_s
+        if self._probing:
+            self._probing = False
+            self._backoff = min(self.probe_max, 2 * self._backoff) if losing else 0
+        if losing:
+            self.turn_off()
+
+    def turn_off(self, wait: int | None = None) -> None:
+        """Drafting off for `wait` plain steps (None: the current backoff), then a probe."""
+        self.on = False
+        self._backoff = self._backoff or self.probe_every
+        self._wait = self._backoff if wait is None else wait
+        self.switches += 1
+
+
+@dataclass
 class DraftLengthController:
     max_gamma: int = 8
     adaptive: bool = True
@@ -135,9 +239,16 @@ class DraftLengthController:
     matches: MatchAcceptance | None = None  # model-free drafters: acceptance by match length
     measure_draft_cost: bool = True  # False: keep draft_cost as given (seeded sampling)
     smoothing: float = 0.3
-    probe_every: int = 8  # plain steps between probes while the guard holds γ at 0
+    probe_every: int = 8  # plain steps between probes while the model holds γ at 0
+    probe_max: int = 256  # a model drafter's probe (a catch-up over the tokens it missed) backs off to this
+    shared: DraftCost | None = None  # a model drafter's c and α, measured across requests
     _plain_steps: int = 0
+    _probe_wait: int = 0
     _last_speedup: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.shared is not None and self.measure_draft_cost:
+            self.draft_cost, self.alpha = self.shared.value, self.shared.alpha
 
     @property
     def verify_cost_per_token(self) -> float:
@@ -150,11 +261,22 @@ class DraftLengthController:
             return top
         b = self.verify_cost_per_token
         best = max(range(top + 1), key=lambda g: predicted_speedup(self.alpha, g, self.draft_cost, b))
-        if best == 0:
-            self._plain_steps += 1
-            if self._plain_steps % self.probe_every == 0:
-                return 1  # keep measuring α, or the guard could never lift
-        return best
+        state: DraftLengthController | DraftCost = self.shared or self
+        if best:
+            state._plain_steps, state._probe_wait = 0, 0
+            return best
+        if self.draft_cost + b >= 1.0:
+            return 0  # dearer than a target step whatever it accepts: no α could pay, nothing to probe
+        # Probe to keep measuring α, or drafting could never come back. A model drafter's probe
+        # first catches up over every token decoded since it last ran, so the probes back off
+        # (across requests, where the drafter's record is shared).
+        state = self.shared or self
+        state._plain_steps += 1
+        state._probe_wait = state._probe_wait or self.probe_every
+        if state._plain_steps < state._probe_wait:
+            return 0
+        state._plain_steps, state._probe_wait = 0, min(self.probe_max, 2 * state._probe_wait)
+        return 1
 
     def gamma_for_match(self, match: int, proposed: int, limit: int) -> int:
         """γ for a model-free drafter's proposal of `proposed` tokens from a match of length `match`."""
@@ -177,7 +299,13 @@ class DraftLengthController:
             rate = accepted / drafted
             self.alpha += self.smoothing * (rate - self.alpha)
         if draft_cost is not None and self.measure_draft_cost:
-            self.draft_cost += self.smoothing * (draft_cost - self.draft_cost)
+            if self.shared is not None:
+                self.shared.observe(draft_cost)
+                self.draft_cost = self.shared.value
+            else:
+                self.draft_cost += self.smoothing * (draft_cost - self.draft_cost)
+        if self.shared is not None and self.measure_draft_cost:
+            self.shared.alpha = self.alpha
 
     def predicted_speedup(self, gamma: int, model_free: bool = False) -> float:
         """The model's prediction for the step just chosen (model-free: from the match statistics)."""

@@ -8,14 +8,16 @@ then the tokens committed by earlier steps.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from pipeline.llm.lean_llama import LeanLlama
 from pipeline.llm.model import rollback
-from pipeline.llm.sampling import SamplingOptions, logits_to_probs, sample
+from pipeline.llm.sampling import RandomSource, SamplingOptions, generator_at, logits_to_probs, sample
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,11 @@ class SuffixAutomaton:
         return len(self.length) - 1
 
 
+# A session's suffix memory at most, in tokens: the automaton takes ~450 bytes a token, so ~2 MB
+# a session, and engine.SESSIONS_REMEMBERED (256) of them ~0.5 GB at worst.
+MEMORY_TOKENS = 4096
+
+
 class SuffixDrafter:
     """Proposes the continuation of the longest suffix of the context seen before, in this
     session's past (everything said so far, replies included) or earlier in this reply;
@@ -142,8 +149,8 @@ class SuffixDrafter:
     name = "suffix"
     model_free = True
 
-    def __init__(self, min_match: int = 1, max_context: int = 64) -> None:
-        self.min_match, self.max_context = min_match, max_context
+    def __init__(self, min_match: int = 1, max_context: int = 64, max_memory_tokens: int = MEMORY_TOKENS) -> None:
+        self.min_match, self.max_context, self.max_memory_tokens = min_match, max_context, max_memory_tokens
         self.memory = SuffixAutomaton()  # the session's past
         self._lookup = PromptLookupDrafter(max_ngram=8, min_ngram=min_match)
         self._separator = -1  # never a token id: matches never run across two utterances
@@ -158,6 +165,12 @@ class SuffixDrafter:
         return local
 
     def commit(self, context: Sequence[int]) -> None:
+        if len(self.memory.text) + len(context) + 1 > self.max_memory_tokens:
+            # Each request's context is the prompt with the conversation so far, so the memory
+            # would grow by the whole history every turn; starting over from the latest context
+            # keeps what the prompt shows and bounds a long session's memory.
+            self.memory = SuffixAutomaton()
+            context = context[-(self.max_memory_tokens - 1):]
         for token in context:
             self.memory.extend(token)
         self.memory.extend(self._separator)
@@ -174,19 +187,42 @@ class SuffixDrafter:
 
 class ModelDrafter:
     """A smaller causal LM sharing the target's tokenizer; keeps its own KV cache and
-    rolls it back to what the target committed (only its common prefix is kept)."""
+    rolls it back to what the target committed (only its common prefix is kept).
+
+    `generator` draws the sampled draft tokens: one generator, or a callable giving the
+    generator for the draft token at a context index (seeded sampling's per-position state).
+    `prompt_tokens`: the request's prompt length. The first catch-up of a resumed reply runs
+    the prompt in one pass, as the uninterrupted reply's first draft did, and the reply's
+    tokens after it. `exact_rows`: a catch-up over several reply tokens computes each row as a
+    one-token pass would (`LeanLlama`'s `rows_alone`, in passes of `exact_rows` tokens; other
+    models in passes of that many tokens), so that seeded sampling's q at a position does not
+    depend on how the catch-ups fell; 0: one pass, however it rounds (greedy output does not
+    depend on the draft's rounding).
+
+    `steady_pass_s`: the mean time of the last `propose`'s passes over one or two new tokens
+    (a draft token's price, which the draft-length model's c is made of), None when it ran
+    none; a catch-up over more tokens costs more than a draft token and is left out of it.
+    Passes are timed to their end on an asynchronous device (CUDA).
+    """
+
+    STEADY_TOKENS = 2  # a pass over this many new tokens or fewer is a draft step, not a catch-up
 
     model_free = False
 
     def __init__(self, model: Callable[..., Any], device: torch.device, sampling: SamplingOptions,
-                 generator: torch.Generator | None = None, name: str = "draft") -> None:
+                 generator: RandomSource = None, name: str = "draft", prompt_tokens: int = 0,
+                 exact_rows: int = 0) -> None:
         self.model, self.device, self.sampling, self.generator = model, device, sampling, generator
         self.name = name
+        self.prompt_tokens, self.exact_rows = prompt_tokens, exact_rows
         self._cache = None
         self._cached: list[int] = []  # the tokens whose keys and values are in the cache
+        self._steady: list[float] = []  # seconds of this propose's steady passes
+        self.steady_pass_s: float | None = None
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int) -> Draft:
+        self._steady = []
         logits = self._catch_up(list(context))
         tokens, rows = [], []
         for i in range(k):
@@ -195,10 +231,11 @@ class ModelDrafter:
             else:
                 probs = logits_to_probs(logits[None], self.sampling)[0]
                 rows.append(probs)
-                token = sample(probs, self.generator)
+                token = sample(probs, generator_at(self.generator, len(context) + i))
             tokens.append(token)
             if i + 1 < k:
                 logits = self._forward([token])
+        self.steady_pass_s = sum(self._steady) / len(self._steady) if self._steady else None
         return Draft(tuple(tokens), torch.stack(rows) if rows else None)
 
     def commit(self, context: Sequence[int]) -> None:
@@ -212,11 +249,28 @@ class ModelDrafter:
         if self._cache is not None:
             rollback(self._cache, common)
         self._cached = self._cached[:common]
-        return self._forward(context[common:])
+        prompt_rest = self.prompt_tokens - common
+        if 0 < prompt_rest < len(context) - common:  # a resumed reply: the prompt first, in one pass
+            self._forward(context[common : self.prompt_tokens])
+            common = self.prompt_tokens
+        return self._forward(context[common:], replay=common >= self.prompt_tokens)
 
-    def _forward(self, tokens: list[int]) -> torch.Tensor:
+    def _forward(self, tokens: list[int], replay: bool = False) -> torch.Tensor:
+        if not (replay and self.exact_rows and len(tokens) > 1):
+            return self._pass(tokens)
+        for start in range(0, len(tokens), self.exact_rows):
+            logits = self._pass(tokens[start : start + self.exact_rows], rows_alone=True)
+        return logits
+
+    def _pass(self, tokens: list[int], rows_alone: bool = False) -> torch.Tensor:
+        extra = {"rows_alone": True} if rows_alone and isinstance(self.model, LeanLlama) else {}
+        started = time.perf_counter()
         out = self.model(input_ids=torch.tensor([tokens], device=self.device), cache=self._cache,
-                         use_cache=True, logits_to_keep=1)
+                         use_cache=True, logits_to_keep=1, **extra)
+        if len(tokens) <= self.STEADY_TOKENS:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._steady.append(time.perf_counter() - started)
         self._cache = out.cache
         self._cached.extend(tokens)
         logits = out.logits[0, -1]

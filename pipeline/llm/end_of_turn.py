@@ -15,7 +15,7 @@ voices; docs/benchmarks.md):
 - whisper punctuates at a pause ("Hello," or "Hello." where the user only took a breath), and
   the instruct model gives `<|im_end|>` after a full stop little weight anyway (it expects
   more sentences after one), so the text as written separates badly;
-- the default, `marks`, strips the trailing punctuation and sums the ways the message can
+- `marks` strips the trailing punctuation and sums the ways the message can
   end there: P(end | text) + Σ_m P(m | text)·P(end | text + m) over m in ". ? !". A
   question whose "?" was dropped and a statement without its full stop then score as they
   would with it, while "Hello" (the model expects "Hello, ...") and "I want to" stay low.
@@ -24,9 +24,14 @@ voices; docs/benchmarks.md):
   persona and a short question) about 110-120 ms on 2 busy CPU cores in float32, against
   ~77 ms for one pass (`strip`). It separated closes at the end of a turn from closes at a
   pause best (AUC 0.89 on the Piper voice, 0.68 on espeak-ng, whose transcripts are poor).
+- the default, `lower-marks`, is `marks` on LiveKit's normalisation (lower case, no
+  punctuation): in three runs of the benchmark it cut off no turn at an in-sentence pause at
+  0.01 where `marks` cut off one at 0.03, with fewer late ends (28 against 30 of 60 in the
+  last) and a higher AUC (0.86 against 0.82). The reply's prompt keeps the user's case, so it
+  shares the score's prefill up to the user's text only (~10-20 tokens more to prefill).
 - `raw` (the text as written), `strip` (trailing punctuation removed, one pass), `lower`
-  (LiveKit's normalisation, one pass), `lower-marks` and `unpunct-marks` (all punctuation
-  removed, the case kept) are there for the benchmark.
+  (LiveKit's normalisation, one pass) and `unpunct-marks` (all punctuation removed, the
+  case kept) are there for the benchmark.
 
 The scorer is pure torch over `LoadedModel` (its lean pass where it has one): no server, no
 thread of its own. The llm service runs it on its model thread, between decode steps.
@@ -50,13 +55,13 @@ from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, chat_messages
 END_OF_TURN_TOKEN = "<|im_end|>"  # ChatML's end of a message (SmolLM2, Qwen, ...)
 END_MARKS = (".", "?", "!")  # the marks a message may end with, folded into `marks`
 NORMALISATIONS = ("marks", "raw", "strip", "lower", "lower-marks", "unpunct-marks")
-DEFAULT_NORMALISATION = "marks"
+DEFAULT_NORMALISATION = "lower-marks"
 # The policy measured by `specvox bench end-of-turn` (docs/benchmarks.md): when an utterance closes,
 # the turn is complete if the score is at least COMPLETE_THRESHOLD; otherwise wait up to
 # INCOMPLETE_WAIT_MS more silence for the user to go on before ending it anyway. On 22 paused and
-# 8 whole turns per voice: Piper 0 of 24 pause closes cut off, 10 of 30 ends waited (233 ms on
-# average); espeak-ng 1 of 23 and 21 of 30 (490 ms); 150 ms of silence alone cut off every paused turn.
-COMPLETE_THRESHOLD = 0.03
+# 8 whole turns per voice (both voices): 0 of 50 pause closes cut off, 28 of 60 ends waited;
+# 150 ms of silence alone cut off 44 of 50.
+COMPLETE_THRESHOLD = 0.01
 INCOMPLETE_WAIT_MS = 700
 # History kept for the score, as LiveKit's detector does: the last few exchanges, at most this many tokens.
 MAX_HISTORY_EXCHANGES = 3

@@ -9,6 +9,13 @@ Consumers (the Redis token stream, the gRPC reply) see only steps of verified to
 Invariant of the loop: the target's cache holds every token of `context` but the last.
 A request with a session key starts from that session's cached prefix where it has one
 (pipeline/llm/prefix_cache.py) and leaves its own cache there when it ends.
+
+A request may resume a reply that another worker left half done (`resume_tokens`, the
+tokens its log holds): the context starts as prompt + those tokens, the prompt is
+prefilled as a fresh request prefills it and the resumed tokens are replayed as decoding
+computed them (`Generator.prefill`), so the reply goes on as if nothing had happened:
+token for token for greedy decoding, and for seeded sampling, whose random numbers are
+drawn per output position (sampling.PositionalRandom).
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +31,8 @@ import torch
 
 from pipeline.llm.budget import CostMeter
 from pipeline.llm.detokenize import IncrementalDetokenizer
-from pipeline.llm.draft_length import DraftLengthController, MatchAcceptance, VerifyCost
+from pipeline.llm.draft_head import HeadDrafter, TrainedHead, find_heads
+from pipeline.llm.draft_length import DraftCost, DraftGuard, DraftLengthController, MatchAcceptance, VerifyCost
 from pipeline.llm.drafters import (
     EMPTY,
     Drafter,
@@ -47,6 +55,8 @@ from pipeline.llm.model import (
 from pipeline.llm.prefix_cache import PrefixCache
 from pipeline.llm.prompts import PromptTooLongError
 from pipeline.llm.sampling import (
+    DRAFT_STREAM,
+    PositionalRandom,
     SamplingOptions,
     apply_repetition_penalty,
     greedy_verify,
@@ -59,6 +69,7 @@ EARLY_EXIT = "early-exit"
 QUANTIZED = "quantized"  # the target's own weights at 4 bits (model.quantized_self_draft)
 SESSIONS_REMEMBERED = 256  # suffix memories kept, least recently used dropped
 SEEDED_DRAFT_COST = 0.25  # one draft step / one target step, assumed (not timed) for seeded sampling
+REPLAY_ROWS = 16  # tokens per catch-up pass of a transformers drafter under seeded sampling (see ModelDrafter)
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,7 @@ class DecodeStep:
     drafted: int = 0  # γ: tokens the drafter proposed for this step
     stats: GenerationStats | None = None  # on the last step
     prefix_cached_tokens: int = 0  # on the first step: prompt tokens whose keys and values were cached
+    offset: int = 0  # index in the reply of this step's first token (resumed tokens count)
 
     @property
     def accepted(self) -> int:
@@ -78,6 +90,21 @@ class DecodeStep:
 
 @dataclass(frozen=True)
 class GenerationRequest:
+    """One reply to decode. `resume_tokens` and `resume_seq` continue a reply from its log.
+
+    A resumed request is the original request (same prompt, max_new_tokens, sampling options
+    and seed, stop strings) plus the reply's tokens already accepted, in order, and the
+    sequence number its next step takes. The engine prefills prompt + resumed tokens, emits
+    only what follows them (steps numbered from `resume_seq`, their `offset`s counting the
+    resumed tokens), counts them against `max_new_tokens`, cuts at EOS and stop strings as
+    the uninterrupted reply would, and primes the detokenizer with them, so the text deltas
+    go on exactly where the log's stopped. Greedy replies are the uninterrupted reply token
+    for token with any drafter, and seeded sampled ones too (with a model drafter, with the
+    same drafter); see `Generator.prefill` and docs/algorithms.md, "Resuming a reply".
+    A reply its resumed tokens already end (the token limit, a stop string) ends at once
+    with an empty last step.
+    """
+
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
     drafter: str = "none"
@@ -86,6 +113,13 @@ class GenerationRequest:
     adaptive_draft: bool = True
     stop_strings: tuple[str, ...] = ()
     session_key: str = ""  # lets the suffix drafter remember what this session said, and the prefix cache its KV
+    resume_tokens: tuple[int, ...] = ()  # the reply's tokens already accepted (the token log's, in order)
+    resume_seq: int = 0  # seq of the first step this request emits: the log's last seq + 1 (0 for a new reply)
+
+    def resumed(self, tokens: Sequence[int], next_seq: int) -> GenerationRequest:
+        """This request, continued after `tokens` (every token its log accepted, in order), its
+        next step numbered `next_seq` (the log's last seq + 1)."""
+        return dataclasses.replace(self, resume_tokens=tuple(int(t) for t in tokens), resume_seq=next_seq)
 
 
 @dataclass
@@ -104,6 +138,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     prefix_cached_tokens: int = 0  # of the prompt, taken from the session's cache instead of prefilled
     prefill_s: float = 0.0
+    resumed_tokens: int = 0  # of the reply, from its log (not in new_tokens, which this request committed)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.steps += 1
@@ -142,6 +177,7 @@ class GenerationStats:
             "prompt_tokens": self.prompt_tokens,
             "prefix_cached_tokens": self.prefix_cached_tokens,
             "prefill_s": round(self.prefill_s, 4),
+            "resumed_tokens": self.resumed_tokens,
         }
 
 
@@ -160,27 +196,33 @@ class Generator:
         self.forward: Callable[..., Any] = loaded.lean if use_lean else loaded.model  # type: ignore[assignment]
         self.draft_model = draft_model
         self.early_exit_layers = early_exit_layers
-        self._shallow: torch.nn.Module | None = None
+        self._shallow: Any = None  # the early-exit drafter: the lean pass truncated, else transformers' model
         self._quantized: LeanLlama | None = None
         self._memories: OrderedDict[str, SuffixDrafter] = OrderedDict()
         self.last_stats = GenerationStats()
         # Learned across requests: what a verified token costs here, how often matches hold.
         self.verify_cost = VerifyCost()
         self._match_acceptance: dict[tuple[str, int], MatchAcceptance] = {}
+        self._draft_costs: dict[str, DraftCost] = {}  # a model drafter's c and α, across requests
+        self.guards: dict[str, DraftGuard] = {}  # per drafter: drafting on or off, from measured costs
         self.costs = CostMeter()  # what prefills and steps take here, for the latency budget
         self.prefix_cache = PrefixCache(0 if static_cache else prefix_cache_sessions)
+        self.draft_heads: dict[str, TrainedHead] = {}  # trained heads for this target by kind (`from_options`)
 
     @classmethod
     def from_options(cls, loaded: LoadedModel, options: LlmOptions) -> Generator:
         """The target with the configured draft model, early-exit depth, KV cache kind and prefix cache."""
-        return cls(loaded, load_draft_model(options, loaded), options.early_exit_layers, options.static_cache,
-                   prefix_cache_sessions=options.prefix_cache_sessions)
+        generator = cls(loaded, load_draft_model(options, loaded), options.early_exit_layers, options.static_cache,
+                        prefix_cache_sessions=options.prefix_cache_sessions)
+        if isinstance(generator.forward, LeanLlama) and options.draft_heads != "off":  # they read its features
+            generator.draft_heads = find_heads(options.model, loaded.model, options.draft_heads)
+        return generator
 
     @property
     def drafters(self) -> tuple[str, ...]:
         return (*MODEL_FREE_DRAFTERS, *((EARLY_EXIT,) if self.early_exit_layers else ()),
                 *((QUANTIZED,) if quantized_draft_applies(self.loaded) else ()),
-                *(("draft",) if self.draft_model else ()))
+                *(("draft",) if self.draft_model else ()), *self.draft_heads)
 
     def check(self, request: GenerationRequest) -> None:
         if request.drafter not in self.drafters:
@@ -190,12 +232,25 @@ class Generator:
         if request.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
         request.sampling.validate()
+        self._check_resume(request)
         room = self.loaded.context_tokens - request.max_new_tokens
         if len(request.prompt_ids) > room:
             raise PromptTooLongError(
                 f"prompt of {len(request.prompt_ids)} tokens plus {request.max_new_tokens} new tokens "
                 f"exceeds the {self.loaded.context_tokens}-token context window"
             )
+
+    def _check_resume(self, request: GenerationRequest) -> None:
+        resume, seq = request.resume_tokens, request.resume_seq
+        vocab = int(getattr(self.loaded.model.config, "vocab_size", 0) or 0)
+        if vocab and any(not 0 <= t < vocab for t in resume):
+            raise ValueError(f"resume_tokens hold ids outside the vocabulary of {vocab}")
+        if any(t in self.loaded.eos_token_ids for t in resume):
+            raise ValueError("resume_tokens hold an end-of-sequence token: a reply never emits one (that one is over)")
+        # every step but a reply's last commits a token, so a log of `seq` steps holds at least `seq` tokens
+        if not (seq <= len(resume) and (seq >= 1 if resume else seq == 0)):
+            raise ValueError(f"resume_seq {seq} does not fit {len(resume)} resumed tokens: it is the seq of the "
+                             "next step, the log's last seq + 1, between 1 and the number of tokens")
 
     def warm_up(self, new_tokens: int = 4, drafters: tuple[str, ...] = ("none",)) -> None:
         """A short generation with each drafter, so the first request does not pay for lazy
@@ -216,41 +271,92 @@ class Generator:
             yield step
 
     def prefill(self, decoder: RequestDecoder, cache: Any = None) -> Any:
-        """A one-row cache holding the prompt but its last token: the session's cached prefix,
-        where it has one, plus a prefill of the rest. `cache`: where to prefill when nothing is cached."""
-        prompt = decoder.request.prompt_ids
-        cached, reused = self.prefix_cache.take(decoder.request.session_key, prompt)
+        """A one-row cache holding the context but its last token: the session's cached prefix,
+        where it has one, plus a prefill of the rest. `cache`: where to prefill when nothing is cached.
+
+        The prompt's uncached part is one pass, as ever. A resumed reply's tokens (from the
+        prompt's last token on: plain decoding fed that one in its first step) are replayed
+        as decoding computed them (`replay`), not prefilled with the prompt: a pass of many
+        tokens rounds otherwise than one-token steps do, and in bfloat16 by enough to change
+        tokens (docs/algorithms.md, "Resuming a reply").
+        """
+        context, prompt_len = decoder.context, len(decoder.request.prompt_ids)
+        cached, reused = self.prefix_cache.take(decoder.request.session_key, context)
         cache = cached if cached is not None else cache
-        rest = prompt[reused:-1]
+        head = context[reused : prompt_len - 1]
+        tail = context[max(reused, prompt_len - 1) : -1]
         started = time.perf_counter()
-        if rest:
-            cache = self.forward(input_ids=torch.tensor([rest], device=self.loaded.device), cache=cache,
-                                 use_cache=True, logits_to_keep=1).cache
-            if self.loaded.device.type == "cuda":
-                torch.cuda.synchronize(self.loaded.device)
+        if head:
+            out = self.forward(input_ids=torch.tensor([head], device=self.loaded.device), cache=cache,
+                               use_cache=True, logits_to_keep=1)
+            cache = out.cache
+            hidden = getattr(out, "hidden", None)
+            if hidden is not None and not tail:  # a head drafter starts from the prompt's last token but one
+                decoder.observe_features(len(context) - 2, hidden[0, -1:])
+        if tail:
+            cache = self.replay(tail, cache)
+        if (head or tail) and self.loaded.device.type == "cuda":
+            torch.cuda.synchronize(self.loaded.device)
         decoder.prefilled(reused, time.perf_counter() - started)
+        return cache
+
+    @property
+    def exact_rows(self) -> int:
+        """The most tokens one replay pass holds (`replay`): the lean pass's `exact_rows`, else 1."""
+        return self.forward.exact_rows if isinstance(self.forward, LeanLlama) else 1
+
+    def replay(self, tokens: Sequence[int], cache: Any) -> Any:
+        """`cache` grown by `tokens`' keys and values, bit for bit what one-token decoding steps
+        compute: passes of `exact_rows` tokens whose rows each attend alone (`rows_alone`) with
+        row-invariant products, or one pass per token where the products are not row-invariant."""
+        rows = self.exact_rows
+        extra = {"rows_alone": True} if isinstance(self.forward, LeanLlama) else {}
+        for start in range(0, len(tokens), rows):
+            ids = torch.tensor([list(tokens[start : start + rows])], device=self.loaded.device)
+            cache = self.forward(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1, **extra).cache
         return cache
 
     def remember(self, decoder: RequestDecoder, cache: Any) -> None:
         """Keep a finished request's cache (every context token but the last) for its session's next one."""
         self.prefix_cache.put(decoder.request.session_key, decoder.context[:-1], cache)
 
-    def drafter_for(self, request: GenerationRequest, generator: torch.Generator | None) -> Drafter:
+    def drafter_for(self, request: GenerationRequest, random: PositionalRandom | None = None) -> Drafter:
+        """The request's drafter. A model drafter under seeded sampling (`random`) draws the draft
+        token at reply position n from position n's draft stream, and computes q alike however
+        its passes fall (`ModelDrafter`'s `exact_rows`), so that a resumed reply drafts as the
+        uninterrupted one did."""
         if request.drafter == "ngram":
             return PromptLookupDrafter()
         if request.drafter == "suffix":
             return self._memory(request.session_key)
+        if request.drafter in self.draft_heads:
+            start = len(request.prompt_ids)
+            return self.draft_heads[request.drafter].drafter(request.sampling, None if random is None else
+                                                             lambda index: random.at(index - start, DRAFT_STREAM))
+        model: Any
         if request.drafter == "draft" and self.draft_model:
-            return ModelDrafter(self.draft_model.model, self.draft_model.device, request.sampling, generator)
-        if request.drafter == EARLY_EXIT:
+            model, device, name = self.draft_model.lean or self.draft_model.model, self.draft_model.device, "draft"
+        elif request.drafter == EARLY_EXIT:
             if self._shallow is None:
-                self._shallow = early_exit_model(self.loaded.model, self.early_exit_layers)
-            return ModelDrafter(self._shallow, self.loaded.device, request.sampling, generator, name=EARLY_EXIT)
-        if request.drafter == QUANTIZED:
+                self._shallow = (self.forward.truncated(self.early_exit_layers) if isinstance(self.forward, LeanLlama)
+                                 else early_exit_model(self.loaded.model, self.early_exit_layers))
+            model, device, name = self._shallow, self.loaded.device, EARLY_EXIT
+        elif request.drafter == QUANTIZED:
             if self._quantized is None:
                 self._quantized = quantized_self_draft(self.loaded)
-            return ModelDrafter(self._quantized, self.loaded.device, request.sampling, generator, name=QUANTIZED)
-        return NoDrafter()
+            model, device, name = self._quantized, self.loaded.device, QUANTIZED
+        else:
+            return NoDrafter()
+        prompt_len = len(request.prompt_ids)
+        generator = None
+        exact_rows = 0
+        if random is not None:
+            def generator(index: int) -> torch.Generator:  # index: in the context; n: in the reply
+                return random.at(index - prompt_len, DRAFT_STREAM)
+            if not request.sampling.greedy:
+                exact_rows = model.exact_rows if isinstance(model, LeanLlama) else REPLAY_ROWS
+        return ModelDrafter(model, device, request.sampling, generator, name=name, prompt_tokens=prompt_len,
+                            exact_rows=exact_rows)
 
     def controller_for(self, request: GenerationRequest, drafter: Drafter) -> DraftLengthController:
         """The request's draft-length controller, sharing what earlier requests measured.
@@ -264,12 +370,22 @@ class Generator:
                 max_gamma=request.max_draft_tokens, adaptive=request.adaptive_draft,
                 verify=VerifyCost(frozen=True), matches=MatchAcceptance(request.max_draft_tokens),
                 draft_cost=0.0 if drafter.model_free else SEEDED_DRAFT_COST, measure_draft_cost=False)
-        matches = None
+        matches, shared = None, None
         if drafter.model_free:
             key = (drafter.name, request.max_draft_tokens)
             matches = self._match_acceptance.setdefault(key, MatchAcceptance(request.max_draft_tokens))
+        else:
+            shared = self._draft_costs.setdefault(drafter.name, DraftCost())
         return DraftLengthController(max_gamma=request.max_draft_tokens, adaptive=request.adaptive_draft,
-                                     verify=self.verify_cost, matches=matches)
+                                     verify=self.verify_cost, matches=matches, shared=shared)
+
+    def guard_for(self, request: GenerationRequest, drafter: Drafter) -> DraftGuard | None:
+        """The guard of the request's drafter, shared by its requests on the single path; None where
+        γ is not the engine's to choose (a fixed draft length, seeded sampling) or nothing drafts."""
+        if drafter.name == "none" or not request.adaptive_draft or (
+                request.sampling.seed is not None and not request.sampling.greedy):
+            return None
+        return self.guards.setdefault(drafter.name, DraftGuard())
 
     def _memory(self, session_key: str) -> SuffixDrafter:
         if not session_key:
@@ -287,6 +403,13 @@ class RequestDecoder:
     A step is `propose` (the draft, its length chosen by the controller), a target pass
     over [last, x_1..x_γ] run by the caller, `verify` (accept a prefix, commit one token of
     the target's own), then `emit` (cut at EOS, a stop string or the token limit).
+
+    Seeded sampling draws token n of the reply from position n's generator
+    (`PositionalRandom`), and with a model drafter every position is drafted: besides the
+    γ verified drafts the drafter proposes one for the position past them (`phantom`),
+    which the rule tests against p there instead of a plain draw from p. So whether a
+    position fell inside a draft or at its end, its token is decided alike, and a seeded
+    reply does not depend on γ, on how steps fell, or on a resume.
     """
 
     def __init__(self, generator: Generator, request: GenerationRequest,
@@ -294,64 +417,118 @@ class RequestDecoder:
         loaded = generator.loaded
         self.request, self.sampling, self.should_stop = request, request.sampling, should_stop
         seed = self.sampling.seed
-        self.rng = None if seed is None else torch.Generator(device=loaded.device).manual_seed(seed)
-        self.drafter: Drafter = generator.drafter_for(request, self.rng)
+        self.random = None if seed is None else PositionalRandom(seed, loaded.device)
+        self.drafter: Drafter = generator.drafter_for(request, self.random)
         self.control = generator.controller_for(request, self.drafter)
+        # drafting on or off from measured costs; in a batch, the batch's guard decides (BatchedDecoder)
+        self.guard = generator.guard_for(request, self.drafter)
+        self.guard_drafts = False  # this step ran with the guard's drafting on
+        self.device = loaded.device
         self.costs = generator.costs
-        self.context = list(request.prompt_ids)
-        self.new: list[int] = []
-        self.detok = IncrementalDetokenizer(loaded.tokenizer)
-        self.text = ""
+        self.prompt_len = len(request.prompt_ids)
+        resumed = list(request.resume_tokens)
+        self.context = [*request.prompt_ids, *resumed]
+        self.new: list[int] = resumed
+        self.detok = IncrementalDetokenizer(loaded.tokenizer, primed=resumed)
+        self.text = self.detok.text
         self.stats = GenerationStats()
-        self.seq = 0
+        self.first_seq = self.seq = request.resume_seq
         self.eos = loaded.eos_token_ids
+        # every position drafted (see the class's docstring): seeded sampling with a model drafter
+        self.draft_every_position = self.random is not None and not self.sampling.greedy and not self.drafter.model_free
         self.draft: list[int] = []
+        self.phantom: int | None = None  # the draft for the position past the verified ones
         self.draft_q: torch.Tensor | None = None
         self.draft_s = 0.0
         self.match = 0
         self.committed: list[int] = []
         self.stats.prompt_tokens = len(request.prompt_ids)
+        self.stats.resumed_tokens = len(resumed)
+
+    def over_at_start(self) -> DecodeStep | None:
+        """The last step, at once, of a resumed reply whose tokens already end it (its token limit,
+        a stop string: the worker before died between its last step and the end of the log)."""
+        if not self.new:
+            return None
+        if len(self.new) >= self.request.max_new_tokens:
+            finish = "length"
+        elif any(s in self.text for s in self.request.stop_strings):
+            finish = "stop"
+        else:
+            return None
+        step = DecodeStep(self.seq, (), "", finish, offset=len(self.new))
+        self.seq += 1
+        return self.last(step)
 
     def prefilled(self, cached_tokens: int, seconds: float) -> None:
-        """The prompt is in the cache: `cached_tokens` of it were the session's, the rest took `seconds`."""
+        """The context is in the cache: `cached_tokens` of it were the session's, the rest took `seconds`."""
         self.stats.prefix_cached_tokens, self.stats.prefill_s = cached_tokens, seconds
-        self.costs.observe_prefill(len(self.request.prompt_ids) - 1 - cached_tokens, seconds)
+        self.costs.observe_prefill(len(self.context) - 1 - cached_tokens, seconds)
 
-    def propose(self, max_gamma: int | None = None) -> None:
-        """This step's draft; `max_gamma` caps it below the request's own limit (a batch's budget)."""
+    def propose(self, max_gamma: int | None = None, drafting: bool | None = None) -> None:
+        """This step's draft; `max_gamma` caps it below the request's own limit (a batch's budget).
+        `drafting`: a batch's guard's decision, in place of the request's own guard's (None: its own)."""
         limit = self.request.max_new_tokens - len(self.new) - 1  # the step commits one token of its own
         if max_gamma is not None:
             limit = min(limit, max_gamma)
+        if self.guard is not None:
+            self.guard_drafts = self.guard.drafting() if drafting is None else drafting
+            limit = limit if self.guard_drafts else 0
         started = time.perf_counter()
-        if self.drafter.name == "none" or limit < 1:
+        gamma = 0
+        if self.drafter.name == "none" or (limit < 1 and not self.draft_every_position):
             draft = EMPTY
         elif self.drafter.model_free:  # drafting is free: propose the most, keep what pays
             draft = self.drafter.propose(self.context, min(self.control.max_gamma, limit))
             draft = dataclasses.replace(draft, tokens=draft.tokens[: self.control.gamma_for_match(
                 draft.match, len(draft.tokens), limit)])
+            gamma = len(draft.tokens)
         else:
-            gamma = self.control.next_gamma(limit)
-            draft = self.drafter.propose(self.context, gamma) if gamma else EMPTY
+            gamma = self.control.next_gamma(limit) if limit >= 1 else 0
+            drafted = gamma + self.draft_every_position
+            draft = self.drafter.propose(self.context, drafted) if drafted else EMPTY
+            gamma = min(gamma, len(draft.tokens))
+        synchronize(self.device)
         self.draft_s = time.perf_counter() - started
-        self.draft, self.match = list(draft.tokens), draft.match
-        self.draft_q = None if draft.q is None else draft.q[: len(self.draft)]
+        self.draft, self.match = list(draft.tokens[:gamma]), draft.match
+        self.phantom = draft.tokens[gamma] if self.draft_every_position and len(draft.tokens) > gamma else None
+        rows = len(self.draft) + (self.phantom is not None)
+        self.draft_q = None if draft.q is None else draft.q[:rows]
 
-    def verify(self, logits: torch.Tensor, target_s: float, own_pass: bool = True) -> int:
+    def verify(self, logits: torch.Tensor, target_s: float, own_pass: bool = True,
+               features: torch.Tensor | None = None) -> int:
         """Accept a prefix of the draft from the target's logits [γ+1, V]; returns how many.
 
         `own_pass`: the pass verified this request alone, so its time is this request's
         verify cost (a batch's pass time is not, and teaches the controller nothing).
+        `features`: the pass's last-layer outputs [γ+1, D] (`LeanOutput.hidden`), for a head drafter.
         """
         x = self.draft
         logits = apply_repetition_penalty(logits, self.context, x, self.sampling.repetition_penalty)
         if self.sampling.greedy:
             n, next_token = greedy_verify(x, logits)
         else:
-            n, next_token = speculative_verify(x, logits_to_probs(logits, self.sampling), self.draft_q, self.rng)
+            drafts = x if self.phantom is None else [*x, self.phantom]
+            n, next_token = speculative_verify(drafts, logits_to_probs(logits, self.sampling), self.draft_q,
+                                               self._random_at(len(self.context) - self.prompt_len))
         self.committed = [*x[:n], next_token]
+        if features is not None:  # the verified positions' features: the last context token's, the accepted ones'
+            self.observe_features(len(self.context) - 1, features[: n + 1])
         self.context += self.committed
         self._account(len(x), n, target_s, own_pass)
         return n
+
+    def observe_features(self, first: int, features: torch.Tensor) -> None:
+        """A head drafter's input: the target's last-layer outputs [m, D] of context positions first..."""
+        if isinstance(self.drafter, HeadDrafter):
+            self.drafter.observe(first, features)
+
+    def _random_at(self, start: int) -> Callable[[int], torch.Generator] | None:
+        """Draft index i's generator: reply position start + i's (None: torch's global one)."""
+        random = self.random
+        if random is None:
+            return None
+        return lambda i: random.at(start + i)
 
     def emit(self) -> DecodeStep:
         """The step made of what `verify` committed, cut at EOS, a stop string or the token limit."""
@@ -360,22 +537,24 @@ class RequestDecoder:
             if token in self.eos:
                 tokens, finish = tokens[:i], "eos"
                 break
+        offset = len(self.new)
         self.new += tokens
-        self.stats.new_tokens = len(self.new)
+        self.stats.new_tokens = len(self.new) - self.stats.resumed_tokens
         delta = self.detok.push(tokens)
         delta, finish = self._stop_strings(delta, finish)
         if finish is None and len(self.new) >= self.request.max_new_tokens:
             finish = "length"
         step = DecodeStep(self.seq, tuple(tokens), delta, finish, len(self.draft),
-                          prefix_cached_tokens=self._first_step_cached())
+                          prefix_cached_tokens=self._first_step_cached(), offset=offset)
         self.seq += 1
         return self.last(step) if finish else step
 
     def cancelled(self) -> DecodeStep:
-        return self.last(DecodeStep(self.seq, (), "", "cancelled", prefix_cached_tokens=self._first_step_cached()))
+        return self.last(DecodeStep(self.seq, (), "", "cancelled", prefix_cached_tokens=self._first_step_cached(),
+                                    offset=len(self.new)))
 
     def _first_step_cached(self) -> int:
-        return self.stats.prefix_cached_tokens if self.seq == 0 else 0
+        return self.stats.prefix_cached_tokens if self.seq == self.first_seq else 0
 
     def last(self, step: DecodeStep) -> DecodeStep:
         """The reply is over: let the drafter learn from it, attach the statistics."""
@@ -389,9 +568,13 @@ class RequestDecoder:
         self.stats.target_s += target_s
         if own_pass:
             self.control.verify.observe(drafted + 1, target_s)
+            if self.guard_drafts and self.guard is not None:
+                self.guard.observe(target_s + self.draft_s, accepted + 1, self.control.verify.seconds(1))
         self.costs.observe_step(self.drafter.name, drafted, accepted + 1, target_s + self.draft_s)
         plain_step_s = target_s / (1 + self.control.verify_cost_per_token * drafted)
-        cost = (self.draft_s / drafted) / plain_step_s if drafted and not self.drafter.model_free else None
+        # c from the drafter's steady passes only: a catch-up over many tokens is not a draft token's price
+        steady_s = getattr(self.drafter, "steady_pass_s", None) if drafted else None
+        cost = steady_s / plain_step_s if steady_s is not None and not self.drafter.model_free else None
         self.control.observe(drafted, accepted, cost, self.match)
 
     def _stop_strings(self, delta: str, finish: str | None) -> tuple[str, str | None]:
@@ -407,6 +590,12 @@ class RequestDecoder:
         return self.text[before:cut] if cut > before else "", "stop"
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a timer around it measures the work (CUDA runs asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class _Run:
     """One request decoded alone, with a KV cache of its own."""
 
@@ -415,9 +604,14 @@ class _Run:
         self.decoder = RequestDecoder(generator, request)
         room = len(request.prompt_ids) + request.max_new_tokens + request.max_draft_tokens + 1
         self.cache = new_kv_cache(self.loaded.model, room, generator.static_cache)
+        self.features: torch.Tensor | None = None  # the last pass's features (`LeanOutput.hidden`)
 
     def steps(self, should_stop: Callable[[], bool]) -> Iterator[DecodeStep]:
         decoder = self.decoder
+        over = decoder.over_at_start()
+        if over is not None:
+            yield over
+            return
         self.cache = self.generator.prefill(decoder, self.cache)
         while True:
             if should_stop():
@@ -427,7 +621,8 @@ class _Run:
             decoder.propose()
             started = time.perf_counter()
             logits = self._forward([decoder.context[-1], *decoder.draft], keep_logits=len(decoder.draft) + 1)
-            decoder.verify(logits, time.perf_counter() - started)
+            synchronize(self.loaded.device)  # time the pass, not its launch: the cost model learns from it
+            decoder.verify(logits, time.perf_counter() - started, features=self.features)
             rollback(self.cache, len(decoder.context) - 1)  # drop the keys and values of the rejected tail
             step = decoder.emit()
             if step.finish_reason:
@@ -440,4 +635,6 @@ class _Run:
         ids = torch.tensor([tokens], device=self.loaded.device)
         out = self.forward(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=keep_logits)
         self.cache = out.cache
+        hidden = getattr(out, "hidden", None)  # the lean pass's features, which a head drafter reads
+        self.features = None if hidden is None else hidden[0]
         return out.logits[0]

@@ -5,10 +5,10 @@ The bundled target is a GGUF file: its layers are Q4_1 (w = d·q + m per group o
 dequantizes them at load, so a float32 decoding step streams 540 MB of weights, which bounds
 it at ~28 ms on this machine's memory whatever the kernel. Kept as codes they are 96 MB
 (the layers at 5 bits a weight with their float16 scales and lows, the output matrix at 8.5),
-and the kernel (`kernels/exact_codes.cpp`) dequantizes them in registers to the same float32
-numbers: `pack_int4` and `pack_int8` only accept a matrix whose codes give back every
-weight bit for bit, with d·q exact in float32 so the kernel's fused multiply-add rounds as
-torch's two operations do. The arithmetic is float32 on the model's own weights
+and the kernel (`kernels/exact_codes.cpp`, its products in `kernels/codes.h`) dequantizes
+them in registers to the same float32 numbers: `pack_int4` and `pack_int8` only accept a
+matrix whose codes give back every weight bit for bit, with d·q exact in float32 so the
+kernel's fused multiply-add rounds as torch's two operations do. The arithmetic is float32 on the model's own weights
 (`llm.weights=int4-exact`); only the order of each dot product's sums differs from torch's
 kernels, as it does between any two float32 kernels. A step's products take ~12 ms for one
 token and ~25 ms for nine, against ~36 and ~60 ms dense (docs/benchmarks.md).
@@ -30,6 +30,7 @@ this machine can run the kernel (`pipeline.llm.model.auto_weights` decides).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import functools
 import hashlib
 import logging
@@ -48,7 +49,17 @@ from pipeline.llm.weight_kernels import INT4_GROUP, plain_linear, quantize_int4
 
 log = logging.getLogger(__name__)
 
-KERNEL_SOURCE = Path(__file__).with_name("kernels") / "exact_codes.cpp"
+KERNELS = Path(__file__).with_name("kernels")
+KERNEL_SOURCE = KERNELS / "exact_codes.cpp"
+# one extension: the products (exact_codes.cpp), the whole decoding pass (lean_step.cpp), what they share
+KERNEL_FILES = (KERNEL_SOURCE, KERNELS / "lean_step.cpp", KERNELS / "codes.h")
+# Without -fopenmp, at::parallel_for in the kernels runs on the calling thread alone
+# (ATen/Parallel-inl.h splits work only in code compiled with OpenMP). Built with it, a step opens
+# ~150 parallel regions, and on a machine whose 2 cores other processes share (the llm beside asr
+# and tts, or beside other work) each region waits for its second thread to be scheduled: measured
+# 2026-12-02 under load ~4, a one-token step took 396 ms median on 2 threads against 28 ms on one
+# (docs/benchmarks.md, "Lean step and llama.cpp"). So the kernels stay on one thread.
+KERNEL_FLAGS = ("-O3", "-march=native")
 LANES = 16  # output features per block of the kernel's layout: one AVX-512 register
 
 
@@ -159,9 +170,9 @@ def checkpoint_reason(gguf_path: str | Path | None) -> str | None:
 
 
 def kernel_name() -> str:
-    """The extension's name: keyed by the kernel's source and this CPU's flags (it is built with
-    -march=native, so a build for another CPU is never loaded here)."""
-    source = KERNEL_SOURCE.read_bytes()
+    """The extension's name: keyed by the kernel's sources, its compiler flags and this CPU's flags (it
+    is built with -march=native, so a build for another CPU is never loaded here)."""
+    source = b"".join(path.read_bytes() for path in KERNEL_FILES) + " ".join(KERNEL_FLAGS).encode()
     cpuinfo = Path("/proc/cpuinfo")
     flags = cpuinfo.read_text().split("flags", 1)[-1].split("\n", 1)[0] if cpuinfo.exists() else platform.processor()
     return "specvox_exact_codes_" + hashlib.sha256(source + flags.encode()).hexdigest()[:12]
@@ -176,8 +187,20 @@ def kernels():
     from torch.utils import cpp_extension
 
     log.info("loading the int4-exact kernel (compiled on first use on this machine: about a minute)")
-    return cpp_extension.load(kernel_name(), [str(KERNEL_SOURCE)], extra_cflags=["-O3", "-march=native"],
-                              verbose=False)
+    name = kernel_name()
+    sources = [str(path) for path in KERNEL_FILES if path.suffix == ".cpp"]
+    # torch's own build lock is a file that a killed build leaves behind, and every later load
+    # then waits on it forever. Builds of ours take an flock first (the kernel drops it when its
+    # holder dies), so whoever holds it knows a `lock` file left there is stale.
+    build = Path(cpp_extension._get_build_directory(name, verbose=False))
+    with open(build.parent / f"{name}.build-lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        stale = build / "lock"
+        if stale.exists():
+            log.warning("removing %s, left by a kernel build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        return cpp_extension.load(name, sources, extra_cflags=list(KERNEL_FLAGS), extra_include_paths=[str(KERNELS)],
+                                  build_directory=str(build), verbose=False)
 
 
 def _by_blocks(per_feature: torch.Tensor) -> torch.Tensor:

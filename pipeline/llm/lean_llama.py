@@ -18,16 +18,21 @@ arithmetic as `LlamaForCausalLM` with fewer, larger operations, in the style of 
   (`llm.weights=int4`);
 - in 16-bit dtypes each query row of a verification pass attends on its own
   (`_attend_by_row`), so a verified row is computed exactly as plain decoding computes
-  it and speculative decoding stays token-for-token equal to it.
+  it and speculative decoding stays token-for-token equal to it;
+- with int4-exact weights a decoding pass runs all its decoder layers in one C++ call
+  (`LeanStep`, kernels/lean_step.cpp: norms, products, rotary, the cache write and attention
+  fused, every row computed alone), where torch's operations cost ~1,200 dispatches a step.
 
-It keeps transformers' `DynamicCache`, so rollback (`crop`), the batch's cache surgery and
-everything else that reads the cache work unchanged. RMSNorm upcasts to float32 as
-transformers' does, so float64 outputs match `generate()` token for token (tested).
+Its cache is `kv_cache.KVCache`, preallocated, rolled back by moving its length; a
+`DynamicCache` passed in is filled as before (`update`), by torch's operations. RMSNorm
+upcasts to float32 as transformers' does, so float64 outputs match `generate()` token for
+token (tested).
 Only plain Llama layers qualify (`supports`); anything else runs through transformers.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +40,15 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from pipeline.llm.exact_codes import ExactCodesLinear
-from pipeline.llm.weight_kernels import Int4Linear, Linear, PackedLinear, plain_linear, row_invariant_linear
+from pipeline.llm.kv_cache import KVCache
+from pipeline.llm.weight_kernels import (
+    ROW_INVARIANT_ROWS,
+    Int4Linear,
+    Linear,
+    PackedLinear,
+    plain_linear,
+    row_invariant_linear,
+)
 
 ROPE_TABLE_STEP = 1024  # positions added to the rotary table at a time
 WEIGHT_FORMS = ("dense", "int4-exact", "int4")  # llm.weights
@@ -46,8 +59,14 @@ DECODE_MAX_TOKENS = 32
 
 @dataclass
 class LeanOutput:
-    logits: torch.Tensor  # [B, logits_to_keep, V]
+    """What a lean pass returns. `hidden` is the last decoder layer's output, before the final
+    norm, at the positions whose logits are returned (EAGLE's feature, Li et al. 2024): a view
+    of a tensor the pass computes anyway, so it costs nothing to hand out. The normed states
+    the output matrix reads are `LeanLlama.normed(hidden)`."""
+
+    logits: torch.Tensor  # [B, logits_to_keep (all positions when 0), V]
     cache: Any
+    hidden: torch.Tensor | None = None  # [B, logits_to_keep (all positions when 0), hidden_size]
 
 
 def supports(model: Any) -> bool:
@@ -70,14 +89,16 @@ class LeanLlama:
     positions, a cache, `logits_to_keep`), returning the logits and the grown cache."""
 
     def __init__(self, model: Any, packed: bool = True, weights: str = "dense",
-                 row_invariant: bool | None = None) -> None:
+                 row_invariant: bool | None = None, fused: bool = True) -> None:
         """`packed`: dense float32 weights are multiplied through MKL-packed copies where that
         kernel applies (`PackedLinear`). `weights="int4-exact"`: the weights as the 4- and 8-bit
         codes they were stored in, float32 arithmetic (`ExactCodesLinear`; a float32 model on
         a CPU). `weights="int4"`: the layers' weights as 4-bit groups (`Int4Linear`; a
         bfloat16 model on a CPU). `row_invariant`: a decoding pass computes
         each row exactly as a one-row pass would (`_attend_by_row`, row-invariant products);
-        None: in 16-bit dtypes, where the rounding of another kernel path flips tokens."""
+        None: in 16-bit dtypes, where the rounding of another kernel path flips tokens. `fused`: with
+        int4-exact weights, a decoding pass runs its decoder layers in one C++ call (`LeanStep`,
+        kernels/lean_step.cpp) where the shapes allow; false: through torch's operations."""
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a plain Llama model")
         if weights not in WEIGHT_FORMS:
@@ -99,6 +120,27 @@ class LeanLlama:
         self.row_invariant = row_invariant
         self.linear = self._linear(packed, weights)
         self._cos = self._sin = self.embed.new_zeros(0, self.head_dim)
+        self.fused = fused
+        self.step = self._lean_step()
+        # None, or a float64 [4] tensor to which the C++ pass adds its seconds by part (products,
+        # attention, cache writes, norms/rotary/elementwise): bench/step_split.py reads it
+        self.timings: torch.Tensor | None = None
+
+    def _lean_step(self) -> Any:
+        """The C++ decoding pass over these layers, where it applies: int4-exact weights (every layer
+        matrix 4-bit records, float32 on a CPU), head_dim a multiple of 16 up to 128, heads · head_dim
+        the hidden size. None elsewhere: the pass runs torch's operations."""
+        linear = self.linear
+        if not (self.fused and isinstance(linear, ExactCodesLinear) and self.head_dim % 16 == 0
+                and self.head_dim <= 128 and self.heads * self.head_dim == self.embed.shape[1]):
+            return None
+        records = [[linear.coded[w.data_ptr()].records for w in weights]
+                   for weights in zip(*((layer.qkv, layer.o, layer.gate_up, layer.down) for layer in self.layers),
+                                      strict=True)]
+        norms = [[layer.input_norm.contiguous() for layer in self.layers],
+                 [layer.post_norm.contiguous() for layer in self.layers]]
+        return linear.kernels.LeanStep(norms[0], records[0], records[1], norms[1], records[2], records[3],
+                                       self.heads, self.kv_heads, self.head_dim, self.eps)
 
     def _linear(self, packed: bool, weights: str) -> Linear:
         layer_weights = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -120,13 +162,24 @@ class LeanLlama:
         position_ids: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         use_cache: bool = True,  # accepted for the transformers call signature; the cache is always kept
+        rows_alone: bool = False,
     ) -> LeanOutput:
-        from transformers import DynamicCache
+        """The logits of the last `logits_to_keep` positions (all when 0), the grown cache, and
+        `hidden`: the last decoder layer's output at those positions, before the final norm.
 
-        if cache is None:
-            cache = DynamicCache(config=self.config)
+        `rows_alone`: attend row by row even where the model does not (`row_invariant` false,
+        float32), so that with row-invariant products (`exact_rows` > 1) every row of the pass is
+        bit for bit what its own one-token pass computes; at most `DECODE_MAX_TOKENS` tokens."""
         batch, new = input_ids.shape
+        if cache is None:
+            cache = KVCache(len(self.layers), batch, self.kv_heads, self.head_dim, self.embed.dtype,
+                            self.embed.device, capacity=new)
         past = cache.get_seq_length()
+        decoding = new <= DECODE_MAX_TOKENS
+        if rows_alone and not decoding:
+            raise ValueError(f"a rows_alone pass holds at most {DECODE_MAX_TOKENS} tokens, not {new}")
+        if self.step is not None and decoding and isinstance(cache, KVCache) and cache.batch == batch:
+            return self._fused_pass(input_ids, cache, attention_mask, position_ids, logits_to_keep)
         if position_ids is None:  # consecutive positions after the cache: a slice of the table
             self._grow_rotary_table(past + new)
             cos, sin = self._cos[None, None, past : past + new], self._sin[None, None, past : past + new]
@@ -134,9 +187,8 @@ class LeanLlama:
             self._grow_rotary_table(int(position_ids.max()) + 1)
             cos, sin = self._cos[position_ids][:, None], self._sin[position_ids][:, None]
         mask = _attention_mask(attention_mask, past, new, input_ids.device)
-        decoding = new <= DECODE_MAX_TOKENS
         # attention row by row needs the mask; a one-token pass without padding (no mask) is one row already
-        by_row = mask if self.row_invariant and decoding else None
+        by_row = mask if (self.row_invariant or rows_alone) and decoding else None
         padded = by_row is not None and (by_row.shape[0] > 1 or not bool(by_row[0, 0, -1].all()))
         x, linear = F.embedding(input_ids, self.embed), self.linear if decoding else plain_linear
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -158,7 +210,67 @@ class LeanLlama:
             gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, layer.down)
         keep = x[:, -logits_to_keep:] if logits_to_keep else x
-        return LeanOutput(linear(_rms_norm(keep, self.final_norm, self.eps), self.lm_head), cache)
+        return LeanOutput(linear(self.normed(keep), self.lm_head), cache, keep)
+
+    def _fused_pass(self, input_ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None,
+                    position_ids: torch.Tensor | None, logits_to_keep: int) -> LeanOutput:
+        """A decoding pass whose decoder layers run in one C++ call (`self.step`), every row alone
+        (so `rows_alone` holds by construction); the final norm and output matrix as in `__call__`."""
+        batch, new = input_ids.shape
+        past = cache.get_seq_length()
+        self._grow_rotary_table(past + new if position_ids is None else int(position_ids.max()) + 1)
+        mask = None if attention_mask is None else _attention_mask(attention_mask, past, new, input_ids.device)
+        visible = None if mask is None else mask[:, 0].expand(batch, new, past + new)  # [B, new, past + new]
+        start = cache.extend(new)
+        x = F.embedding(input_ids, self.embed).view(batch * new, -1)
+        x = self.step.forward(x, cache.keys, cache.values, start, self._cos, self._sin, position_ids, visible,
+                              self.timings).view(batch, new, -1)
+        keep = x[:, -logits_to_keep:] if logits_to_keep else x
+        return LeanOutput(self.linear(self.normed(keep), self.lm_head), cache, keep)
+
+    def normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm of `LeanOutput.hidden`: what the output matrix multiplies."""
+        return _rms_norm(hidden, self.final_norm, self.eps)
+
+    def truncated(self, layers: int) -> LeanLlama:
+        """The first `layers` decoder layers, then the final norm and the output matrix, on the same
+        weights and kernels: the early-exit drafter of a target that has a lean pass (the same
+        network as `model.early_exit_model`, and like the target a pass whose rows can be exact)."""
+        if not 0 < layers < len(self.layers):
+            raise ValueError(f"early exit needs 1 to {len(self.layers) - 1} layers, not {layers}")
+        shallow = copy.copy(self)
+        shallow.layers = self.layers[:layers]
+        shallow.step = shallow._lean_step()
+        shallow.config = copy.deepcopy(self.config)  # its caches hold `layers` layers
+        shallow.config.num_hidden_layers = layers
+        if getattr(shallow.config, "layer_types", None):
+            shallow.config.layer_types = shallow.config.layer_types[:layers]
+        return shallow
+
+    def unfused(self) -> LeanLlama:
+        """This pass on the same weights and kernels through torch's operations, without the C++ step
+        (what `llm.fused_step=false` runs; bench/step_split.py compares the two)."""
+        plain = copy.copy(self)
+        plain.fused, plain.step, plain.timings = False, None, None
+        return plain
+
+    @property
+    def exact_rows(self) -> int:
+        """The most tokens a `rows_alone` pass computes each exactly as a one-token pass would.
+
+        That needs products whose rows do not depend on the rows beside them: the int4-exact
+        kernel (by construction), torch's int4 kernel and `row_invariant_linear` in bfloat16
+        (tests/test_weight_kernels.py). MKL's packed float32 product is not: which kernel path a
+        pass of n rows takes depends on the CPU (one machine kept 23 rows apart, another only 3),
+        so a float32 product, packed or plain, gives a token a pass of its own: 1; so does a GPU,
+        where none of this was measured.
+        """
+        linear = self.linear
+        # measured on CPUs only: elsewhere a token gets a pass of its own (exact by construction)
+        sixteen_bit_cpu = self.embed.dtype in (torch.bfloat16, torch.float16) and self.embed.device.type == "cpu"
+        exact = (isinstance(linear, Int4Linear) or (linear is row_invariant_linear and sixteen_bit_cpu)
+                 or (isinstance(linear, ExactCodesLinear) and self.lm_head.data_ptr() in linear.coded))
+        return ROW_INVARIANT_ROWS if exact else 1
 
     def _grow_rotary_table(self, needed: int) -> None:
         """The cos and sin table [positions, head_dim] covers positions below `needed`."""

@@ -43,6 +43,9 @@ class LlmOptions:
     drafter: str = "suffix"  # the default drafter: none, ngram, suffix, early-exit, quantized, draft
     draft_model: str = ""  # a smaller causal LM sharing the target's tokenizer (path or hub id)
     early_exit_layers: int = 8  # depth of the self-speculative drafter
+    # Trained draft heads (pipeline/llm/draft_head.py): a folder of artifacts, the one trained for this
+    # target's weights is offered as the `eagle` or `medusa` drafter; "": the shipped ones; "off": none.
+    draft_heads: str = ""
     max_draft_tokens: int = 8
     adaptive_draft: bool = True
     static_cache: bool = False  # preallocated KV cache per request (rollback by length); slower in eager mode here
@@ -50,6 +53,9 @@ class LlmOptions:
     # operations, MKL-packed float32 products on a CPU); false: through transformers' modules.
     lean_forward: bool = True
     pack_weights: bool = True  # lean_forward on a CPU in float32: MKL-packed weight copies (+1.3× their memory)
+    # weights=int4-exact: a decoding pass runs its decoder layers in one C++ call (kernels/lean_step.cpp);
+    # false: through torch's operations (the same arithmetic, ~1,200 operations a step)
+    fused_step: bool = True
     # "dense": the weights as loaded, in `dtype`. "int4-exact": kept as the 4- and 8-bit codes a
     # quantized checkpoint (the bundled Q4_1 GGUF) stored them in, dequantized exactly to float32 in
     # the kernel (pipeline/llm/exact_codes.py): float32 outputs, a sixth of the memory traffic; needs
@@ -133,7 +139,8 @@ def quantized_self_draft(loaded: LoadedModel) -> LeanLlama:
 
 
 def rollback(cache: object, keep_tokens: int) -> None:
-    """Shrink a KV cache to its first `keep_tokens` positions (transformers 5 crops by a negative count)."""
+    """Shrink a KV cache to its first `keep_tokens` positions (transformers 5 crops by a negative count;
+    the lean pass's `KVCache` takes the same call and only moves its length)."""
     extra = cache.get_seq_length() - keep_tokens  # type: ignore[attr-defined]
     if extra > 0:
         cache.crop(-extra)  # type: ignore[attr-defined]
@@ -257,7 +264,7 @@ def _lean_pass(model: Any, options: LlmOptions) -> LeanLlama | None:
             raise ValueError(f"llm.weights={options.weights} needs a plain Llama target (the lean forward "
                              f"pass); {options.model!r} is a {type(model).__name__}")
         return None
-    return LeanLlama(model, options.pack_weights, options.weights)
+    return LeanLlama(model, options.pack_weights, options.weights, fused=options.fused_step)
 
 
 def _auto_lean_pass(model: Any, options: LlmOptions, reason: str) -> tuple[LeanLlama | None, str, str]:

@@ -2,8 +2,9 @@
 
 A dialogue prompt is the previous turn's prompt, its reply and the new user message: most
 of it was in the target's KV cache when the previous reply ended. `PrefixCache` keeps, per
-session, the token sequence a cache holds and the cache itself (one row of transformers'
-`DynamicCache`). A new request takes the longest common prefix of its prompt with that
+session, the token sequence a cache holds and the cache itself (one row: the lean pass's preallocated
+`kv_cache.KVCache`, or transformers' `DynamicCache` where the target runs through its
+modules). A new request takes the longest common prefix of its prompt with that
 sequence, rolls the cache back to it (`model.rollback`, the crop that drops a rejected
 draft's tail) and prefills only the rest. Nothing needs invalidating: a history that
 changed (a reply the user cut off is recorded shorter, a preemptive turn was dropped)
@@ -20,7 +21,8 @@ the tests; in 16-bit configurations rounding of that size can. `llm.prefix_cache
 makes every reply a function of its prompt alone.
 
 Memory: a cached token costs 2 · layers · kv_heads · head_dim values (46 KB for the bundled
-target in float32: 1,000 tokens ≈ 46 MB), so the sessions kept are bounded, least recently
+target in float32: 1,000 tokens ≈ 46 MB, plus a `KVCache`'s spare slots, under
+`kv_cache.CHUNK_TOKENS`), so the sessions kept are bounded, least recently
 used dropped. `take` and `put` run on the model's thread; `reusable` only reads, from any.
 """
 
@@ -37,7 +39,7 @@ from pipeline.llm.model import rollback
 @dataclass
 class CachedPrefix:
     tokens: tuple[int, ...]  # what the cache holds, position by position
-    cache: Any  # DynamicCache, [1, H, len(tokens), D] per layer
+    cache: Any  # KVCache or DynamicCache holding len(tokens) positions, one row
 
 
 class PrefixCache:

@@ -51,6 +51,15 @@ class ReplySpeaker:
     def end_s(self) -> float:
         return self._next_start_s
 
+    @property
+    def next_phrase_index(self) -> int:
+        return self._next_index
+
+    def resume_at(self, phrase_index: int, start_s: float, chunks_out: int) -> None:
+        """Continue a reply another speaker began: the next phrase said is `phrase_index`, its audio
+        starts at `start_s` of the reply's timeline and its first chunk is numbered `chunks_out`."""
+        self._next_index, self._next_start_s, self.chunks_out = phrase_index, start_s, chunks_out
+
     def speak(self, text: str) -> Iterator[SpeechPiece]:
         """The phrase's pieces as they are synthesized; nothing for a phrase with no words to say."""
         said = speech_text(text)

@@ -1,0 +1,285 @@
+// A whole decoding pass of a Llama target's decoder layers in one call, the weights as 4-bit
+// codes (codes.h): RMSNorm, the fused q/k/v product, rotary embedding, the KV cache write,
+// attention, the output product and residual, RMSNorm, the fused gate/up product, SiLU·up,
+// the down product and residual, layer after layer. Through torch's operations the same pass
+// was ~40 operations a layer (~1,200 a step), whose dispatch cost more than the products.
+//
+// Every row is computed alone: RMSNorm, rotary and the products work row by row (the products
+// sum each row in the same order whatever the number of rows, codes.h), and each query row
+// attends, slot by slot in the cache's order, to exactly the slots it may see. So a row of a
+// verification pass is bit for bit what a one-token pass computes for that token, and a batch
+// row (its holes skipped) what that request computes alone: speculative decoding stays equal
+// to plain decoding (pipeline/llm/lean_llama.py). Float32 throughout.
+//
+// The KV cache is pipeline/llm/kv_cache.py's: keys and values [layers, B, H_kv, capacity, D];
+// this pass writes its rows' keys and values at slots start .. start + T - 1.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "codes.h"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Seconds spent by kind, when the caller asks (bench/step_split.py).
+enum Part { kProducts = 0, kAttention = 1, kCache = 2, kElementwise = 3, kParts = 4 };
+
+struct Timer {
+  double* seconds;  // null: not timing
+  Clock::time_point last;
+  explicit Timer(double* s) : seconds(s) { if (seconds) last = Clock::now(); }
+  void lap(Part part) {
+    if (!seconds) return;
+    const auto now = Clock::now();
+    seconds[part] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  }
+};
+
+// e^x in 16 lanes: 2^n · e^r with n = round(x / ln 2), r = x − n·ln 2 (Cody-Waite's two-part
+// ln 2), e^r by its Taylor series to r^7 (|r| ≤ ln 2 / 2: truncation under 1e-8, below float32's ulp).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  }
+  return _mm512_scalef_ps(p, n);
+}
+
+// transformers' LlamaRMSNorm in float32: w · (x / sqrt(mean(x²) + eps)); E a multiple of 16.
+inline void rms_norm(const float* x, const float* w, float* out, int64_t E, float eps) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < E; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(E) + eps);
+  const __m512 scale = _mm512_set1_ps(inv);
+  for (int64_t i = 0; i < E; i += 16) {
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(_mm512_loadu_ps(x + i), scale)));
+  }
+}
+
+// Rotary embedding (Su et al. 2021) of one head in transformers' rotate-half layout:
+// x·cos + rotate_half(x)·sin, rotate_half(x) = (−x[h:], x[:h]).
+inline void rotate(float* x, const float* cos, const float* sin, int64_t D) {
+  const int64_t h = D / 2;
+  float rotated[512];
+  for (int64_t j = 0; j < h; ++j) {
+    rotated[j] = -x[j + h];
+    rotated[j + h] = x[j];
+  }
+  for (int64_t j = 0; j < D; ++j) x[j] = x[j] * cos[j] + rotated[j] * sin[j];
+}
+
+inline float dot(const float* a, const float* b, int64_t D) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+// One query row of one head: softmax(q·Kᵀ / sqrt(D)) V over the slots listed, in their order.
+void attend(const float* q, const float* keys, const float* values, const int64_t* slots, int64_t count,
+            int64_t D, float* out, std::vector<float>& scores) {
+  if (count == 0) {  // a padding row that sees nothing: its output is never read
+    std::fill(out, out + D, 0.0f);
+    return;
+  }
+  scores.resize(count + 16);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+  float top = -INFINITY;
+  for (int64_t i = 0; i < count; ++i) {
+    scores[i] = dot(q, keys + slots[i] * D, D) * scale;
+    top = std::max(top, scores[i]);
+  }
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t i = 0; i < count; i += 16) {
+    const __mmask16 lanes = count - i >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                            : static_cast<__mmask16>((1u << (count - i)) - 1);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores.data() + i), _mm512_set1_ps(top)));
+    _mm512_mask_storeu_ps(scores.data() + i, lanes, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(lanes, e));
+  }
+  const float inv = 1.0f / _mm512_reduce_add_ps(total);
+  __m512 acc[8];  // D ≤ 128
+  for (int64_t j = 0; j < D / 16; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < count; ++i) {
+    const __m512 p = _mm512_set1_ps(scores[i]);
+    const float* v = values + slots[i] * D;
+    for (int64_t j = 0; j < D / 16; ++j) acc[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * j), acc[j]);
+  }
+  for (int64_t j = 0; j < D / 16; ++j) _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(acc[j], _mm512_set1_ps(inv)));
+}
+
+const uint8_t* bytes(const torch::Tensor& t) { return t.data_ptr<uint8_t>(); }
+
+class LeanStep {
+ public:
+  LeanStep(std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o,
+           std::vector<torch::Tensor> post_norms, std::vector<torch::Tensor> gate_up,
+           std::vector<torch::Tensor> down, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
+      : input_norms_(std::move(input_norms)), qkv_(std::move(qkv)), o_(std::move(o)),
+        post_norms_(std::move(post_norms)), gate_up_(std::move(gate_up)), down_(std::move(down)),
+        heads_(heads), kv_heads_(kv_heads), D_(head_dim), eps_(static_cast<float>(eps)) {
+    layers_ = static_cast<int64_t>(qkv_.size());
+    TORCH_CHECK(layers_ > 0 && input_norms_.size() == qkv_.size() && o_.size() == qkv_.size() &&
+                post_norms_.size() == qkv_.size() && gate_up_.size() == qkv_.size() && down_.size() == qkv_.size(),
+                "one tensor of each kind per layer");
+    E_ = input_norms_[0].size(0);
+    QKV_ = (heads_ + 2 * kv_heads_) * D_;
+    I_ = gate_up_[0].size(0) * specvox::kLanes / 2;
+    TORCH_CHECK(D_ % 16 == 0 && D_ <= 128 && E_ % specvox::kGroup == 0 && I_ % specvox::kGroup == 0 &&
+                heads_ % kv_heads_ == 0 && heads_ * D_ == E_, "shapes the lean step does not take");
+    for (int64_t l = 0; l < layers_; ++l) {
+      check_records(qkv_[l], QKV_, E_);
+      check_records(o_[l], E_, heads_ * D_);
+      check_records(gate_up_[l], 2 * I_, E_);
+      check_records(down_[l], E_, I_);
+      TORCH_CHECK(input_norms_[l].is_contiguous() && post_norms_[l].is_contiguous() &&
+                  input_norms_[l].scalar_type() == torch::kFloat32, "norm weights: contiguous float32");
+    }
+  }
+
+  // x [B·T, E] (rows in (b, t) order, updated in place and returned); keys and values
+  // [layers, B, H_kv, capacity, D]; cos and sin [positions, D]; positions [B, T] (none: start + t);
+  // visible [B, T, start + T] bool (none: row t sees slots 0 .. start + t); timings float64 [4].
+  torch::Tensor forward(torch::Tensor x, torch::Tensor keys, torch::Tensor values, int64_t start,
+                        torch::Tensor cos, torch::Tensor sin, std::optional<torch::Tensor> positions,
+                        std::optional<torch::Tensor> visible, std::optional<torch::Tensor> timings) {
+    const int64_t B = keys.size(1), capacity = keys.size(3), N = x.size(0), T = N / B;
+    TORCH_CHECK(x.dim() == 2 && x.size(1) == E_ && x.is_contiguous() && x.scalar_type() == torch::kFloat32 &&
+                N == B * T, "x: [B·T, hidden] contiguous float32");
+    TORCH_CHECK(keys.dim() == 5 && keys.size(0) == layers_ && keys.size(2) == kv_heads_ && keys.size(4) == D_ &&
+                keys.is_contiguous() && values.is_contiguous() && keys.sizes() == values.sizes() &&
+                keys.scalar_type() == torch::kFloat32 && start + T <= capacity, "keys/values: the cache's buffers");
+    TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D_, "cos/sin: [positions, head_dim]");
+    std::vector<int64_t> pos(N);
+    if (positions) {
+      auto p = positions->contiguous();
+      TORCH_CHECK(p.numel() == N && p.scalar_type() == torch::kLong, "positions: [B, T] int64");
+      std::copy(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + N, pos.begin());
+    } else {
+      for (int64_t n = 0; n < N; ++n) pos[n] = start + n % T;
+    }
+    for (const int64_t p : pos) TORCH_CHECK(p >= 0 && p < cos.size(0), "a position past the rotary table");
+    // each row's visible slots, in order
+    std::vector<std::vector<int64_t>> seen(N);
+    torch::Tensor mask;
+    if (visible) {
+      mask = visible->to(torch::kBool).contiguous();
+      TORCH_CHECK(mask.numel() == N * (start + T), "visible: [B, T, start + T]");
+    }
+    for (int64_t n = 0; n < N; ++n) {
+      const int64_t t = n % T;
+      if (visible) {
+        const bool* m = mask.data_ptr<bool>() + n * (start + T);
+        for (int64_t s = 0; s < start + T; ++s) if (m[s]) seen[n].push_back(s);
+      } else {
+        for (int64_t s = 0; s <= start + t; ++s) seen[n].push_back(s);
+      }
+    }
+    double* seconds = nullptr;
+    if (timings) {
+      TORCH_CHECK(timings->scalar_type() == torch::kDouble && timings->numel() >= kParts, "timings: float64 [4]");
+      seconds = timings->data_ptr<double>();
+    }
+    std::vector<float> h(N * E_), qkv(N * QKV_), attended(N * E_), delta(N * E_), gu(N * 2 * I_), act(N * I_);
+    float* xs = x.data_ptr<float>();
+    const float* cos_table = cos.data_ptr<float>();
+    const float* sin_table = sin.data_ptr<float>();
+    const int64_t group = heads_ / kv_heads_;
+    Timer timer(seconds);
+    for (int64_t l = 0; l < layers_; ++l) {
+      for (int64_t n = 0; n < N; ++n) rms_norm(xs + n * E_, input_norms_[l].data_ptr<float>(), h.data() + n * E_, E_, eps_);
+      timer.lap(kElementwise);
+      specvox::product(h.data(), N, E_, bytes(qkv_[l]), qkv.data(), QKV_, true);
+      timer.lap(kProducts);
+      for (int64_t n = 0; n < N; ++n) {
+        float* row = qkv.data() + n * QKV_;
+        for (int64_t hd = 0; hd < heads_ + kv_heads_; ++hd) rotate(row + hd * D_, cos_table + pos[n] * D_, sin_table + pos[n] * D_, D_);
+      }
+      timer.lap(kElementwise);
+      float* layer_keys = keys.data_ptr<float>() + l * B * kv_heads_ * capacity * D_;
+      float* layer_values = values.data_ptr<float>() + l * B * kv_heads_ * capacity * D_;
+      for (int64_t n = 0; n < N; ++n) {
+        const int64_t b = n / T, slot = start + n % T;
+        const float* row = qkv.data() + n * QKV_;
+        for (int64_t kh = 0; kh < kv_heads_; ++kh) {
+          const int64_t offset = ((b * kv_heads_ + kh) * capacity + slot) * D_;
+          std::copy(row + (heads_ + kh) * D_, row + (heads_ + kh + 1) * D_, layer_keys + offset);
+          std::copy(row + (heads_ + kv_heads_ + kh) * D_, row + (heads_ + kv_heads_ + kh + 1) * D_,
+                    layer_values + offset);
+        }
+      }
+      timer.lap(kCache);
+      at::parallel_for(0, N * heads_, 1, [&](int64_t i0, int64_t i1) {
+        thread_local std::vector<float> scores;
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t n = i / heads_, hd = i % heads_, b = n / T, kh = hd / group;
+          const int64_t base = (b * kv_heads_ + kh) * capacity * D_;
+          attend(qkv.data() + n * QKV_ + hd * D_, layer_keys + base, layer_values + base, seen[n].data(),
+                 static_cast<int64_t>(seen[n].size()), D_, attended.data() + n * E_ + hd * D_, scores);
+        }
+      });
+      timer.lap(kAttention);
+      specvox::product(attended.data(), N, E_, bytes(o_[l]), delta.data(), E_, true);
+      timer.lap(kProducts);
+      for (int64_t i = 0; i < N * E_; ++i) xs[i] += delta[i];
+      for (int64_t n = 0; n < N; ++n) rms_norm(xs + n * E_, post_norms_[l].data_ptr<float>(), h.data() + n * E_, E_, eps_);
+      timer.lap(kElementwise);
+      specvox::product(h.data(), N, E_, bytes(gate_up_[l]), gu.data(), 2 * I_, true);
+      timer.lap(kProducts);
+      for (int64_t n = 0; n < N; ++n) {
+        const float* gate = gu.data() + n * 2 * I_;
+        const float* up = gate + I_;
+        float* a = act.data() + n * I_;
+        for (int64_t i = 0; i < I_; i += 16) {  // silu(g) · up = g / (1 + e^−g) · up
+          const __m512 g = _mm512_loadu_ps(gate + i);
+          const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+          _mm512_storeu_ps(a + i, _mm512_mul_ps(s, _mm512_loadu_ps(up + i)));
+        }
+      }
+      timer.lap(kElementwise);
+      specvox::product(act.data(), N, I_, bytes(down_[l]), delta.data(), E_, true);
+      timer.lap(kProducts);
+      for (int64_t i = 0; i < N * E_; ++i) xs[i] += delta[i];
+      timer.lap(kElementwise);
+    }
+    return x;
+  }
+
+ private:
+  static void check_records(const torch::Tensor& r, int64_t out, int64_t in) {
+    TORCH_CHECK(r.scalar_type() == torch::kUInt8 && r.is_contiguous() && r.dim() == 3 &&
+                r.size(0) * specvox::kLanes == out && r.size(1) * specvox::kGroup == in &&
+                r.size(2) == specvox::kInt4Record, "a layer matrix that is not 4-bit records of its shape");
+  }
+
+  std::vector<torch::Tensor> input_norms_, qkv_, o_, post_norms_, gate_up_, down_;
+  int64_t heads_, kv_heads_, D_, layers_ = 0, E_ = 0, QKV_ = 0, I_ = 0;
+  float eps_;
+};
+
+}  // namespace
+
+void register_lean_step(pybind11::module& m) {
+  pybind11::class_<LeanStep>(m, "LeanStep")
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
+                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t,
+                          int64_t, int64_t, double>())
+      .def("forward", &LeanStep::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "a decoding pass through every layer (see lean_step.cpp)");
+}

@@ -1,0 +1,196 @@
+"""Trained draft heads: the corpus, the unrolled training, the artifact's target check, losslessness.
+
+On the bundled target (float32, the configuration it serves in): a tiny training run (a
+handful of prompts, a few steps) writes an artifact that loads and resumes; the artifact
+refuses another target; and with the shipped head (pipeline/llm/heads) greedy output is
+plain decoding's token for token, alone and in a batch, while the head's drafts are
+accepted. The distribution under sampling is tests/test_lossless.py's (every drafter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from bench.prompts import load_prompts
+from pipeline.llm.batch import BatchedDecoder
+from pipeline.llm.draft_corpus import CorpusPrompt, build_corpus, overlapping
+from pipeline.llm.draft_head import (
+    CARD_FILE,
+    DraftHeadMismatchError,
+    EagleHead,
+    HeadShape,
+    _KvCache,
+    eagle_unrolled,
+    find_heads,
+    load_head,
+    rotary,
+    target_fingerprint,
+)
+from pipeline.llm.engine import GenerationRequest, Generator
+from pipeline.llm.model import LlmOptions, load_model
+from pipeline.llm.prompts import Task, chat_messages, encode_chat
+from pipeline.llm.sampling import SamplingOptions
+from pipeline.llm.train_draft import TrainOptions, train
+
+PROMPTS = load_prompts()
+BENCHMARK = [*PROMPTS["dialogue"], *PROMPTS["caption"]]
+SOME = [PROMPTS["dialogue"][min(3, len(PROMPTS["dialogue"]) - 1)], PROMPTS["caption"][0]]  # a lone clone has 3
+FIXED = {"max_draft_tokens": 4, "adaptive_draft": False}  # drafts of 4 every step, whatever they cost
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(LlmOptions(dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def shipped(loaded):
+    """The generator as the engine builds it: with the head shipped for the bundled target."""
+    generator = Generator.from_options(loaded, LlmOptions(dtype="float32"))
+    assert "eagle" in generator.draft_heads, "no shipped EAGLE head for the bundled target (specvox train-draft)"
+    return generator
+
+
+def encode(loaded, text: str) -> tuple[int, ...]:
+    return tuple(encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, text)))
+
+
+def run(generator: Generator, prompt, drafter: str, max_new: int = 48, **kw) -> list[int]:
+    return [t for s in generator.steps(GenerationRequest(tuple(prompt), max_new, drafter, **kw)) for t in s.token_ids]
+
+
+def test_the_corpus_never_holds_a_benchmark_prompt():
+    corpus = build_corpus(6000, seed=0)
+    assert len(corpus) == 6000 and len({p.user_text for p in corpus}) > 3000
+    assert {p.task for p in corpus} == {Task.DIALOGUE, Task.CAPTION}
+    assert overlapping(corpus, BENCHMARK) == []
+    # the check itself finds a benchmark prompt, and one sharing a run of six words with it
+    planted = [CorpusPrompt(Task.DIALOGUE, BENCHMARK[0]), CorpusPrompt(Task.DIALOGUE, "Well, " + BENCHMARK[-1][-60:])]
+    assert overlapping([*corpus[:10], *planted], BENCHMARK) == [p.user_text for p in planted]
+
+
+def test_unrolled_training_steps_are_what_drafting_computes():
+    """Step s of `eagle_unrolled` at position j equals drafting from a prefix known up to
+    j - s + 1 with the head's cache: the training-time test trains what the drafter runs."""
+    torch.manual_seed(0)
+    shape = HeadShape(hidden_size=32, heads=4, kv_heads=2, head_dim=8, intermediate_size=48, eps=1e-5,
+                      rope_theta=10000.0)
+    head = EagleHead(shape).double().eval()
+    length, first = 12, 7  # absolute position of the head sequence's first input
+    features, embeds = torch.randn(1, length, 32, dtype=torch.float64), torch.randn(1, length, 32, dtype=torch.float64)
+    positions = torch.arange(first, first + length)[None]
+    unrolled = eagle_unrolled(head, features, embeds, positions, steps=3)
+    for m in (0, 4, 8):  # features known up to input m; drafts 1..3 at inputs m, m + 1, m + 2
+        cache = _KvCache(2, 8, features[0])
+        cos, sin = rotary(positions[0, : m + 1], 8, 10000.0, torch.float64)
+        g, k, v = head.block(features[:, : m + 1], embeds[:, : m + 1], cos, sin)
+        cache.append(k, v)
+        g = g[:, -1:]
+        for s in range(1, 4):
+            assert torch.allclose(g[0, 0], unrolled[s - 1][0, m + s - 1], atol=1e-10), (m, s)
+            cos, sin = rotary(positions[0, m + s : m + s + 1], 8, 10000.0, torch.float64)
+            g, k, v = head.block(g, embeds[:, m + s : m + s + 1], cos, sin, cache.past())
+            cache.append(k, v)
+
+
+def tiny_options(tmp_path, kind: str = "eagle", steps: int = 3) -> TrainOptions:
+    return TrainOptions(kind=kind, out=str(tmp_path / f"head-{kind}"), work=str(tmp_path / "work"), prompts=24,
+                        heldout_prompts=4, max_new_tokens=10, generation_batch=8, data_minutes=30.0, vocab_size=512,
+                        unroll=2, steps=steps, minutes=2.0, batch_sequences=8, checkpoint_s=0.0, medusa_heads=2)
+
+
+def test_a_tiny_training_run_writes_an_artifact_that_loads_and_resumes(loaded, tmp_path, capsys):
+    options = tiny_options(tmp_path)
+    card = train(options, BENCHMARK, loaded)
+    folder = options.folder()
+    assert (folder / "head.safetensors").exists()
+    saved = json.loads((folder / CARD_FILE).read_text())
+    assert saved == card and card["training"]["steps"] == 3
+    assert card["target"]["sha256"] == target_fingerprint("bundled")
+    assert card["data"]["train_replies"] == 20 and card["data"]["heldout_replies"] == 4
+    assert card["data"]["train_reply_tokens"] > 0 and card["draft_vocab"]["size"] <= 512 + len(loaded.eos_token_ids)
+    held = card["heldout"]
+    assert len(held["acceptance_by_position"]) == 8 and held["positions"] > 0
+    assert held["expected_accepted_length"] == sorted(held["expected_accepted_length"])
+    assert all(0 <= a <= 1 for a in held["acceptance_by_position"])
+    head = load_head(folder, loaded.model, target_fingerprint("bundled"))
+    assert head.kind == "eagle" and len(head.vocab) == card["draft_vocab"]["size"]
+    err = capsys.readouterr().err  # progress with an ETA on stderr
+    assert "[data] 1/" in err and "[train] 1/3 steps" in err and "[train] 3/3 steps" in err and " eta " in err
+
+    shards = sorted((tmp_path / "work" / "data").glob("shard-*.pt"))
+    resumed = train(dataclasses.replace(options, steps=5), BENCHMARK, loaded)
+    err = capsys.readouterr().err
+    assert "resumed from" in err and "at step 3" in err
+    assert resumed["training"]["steps"] == 5
+    assert sorted((tmp_path / "work" / "data").glob("shard-*.pt")) == shards  # the data was not made again
+    assert resumed["data"]["train_reply_tokens"] == card["data"]["train_reply_tokens"]
+
+    medusa_options = tiny_options(tmp_path, "medusa", steps=2)
+    medusa = train(medusa_options, BENCHMARK, loaded)  # on the same data
+    assert medusa["kind"] == "medusa" and len(medusa["heldout"]["acceptance_by_position"]) == 2
+    assert set(find_heads("bundled", loaded.model, tmp_path)) == {"eagle", "medusa"}
+    generator, prompt = Generator(loaded), encode(loaded, SOME[0])
+    plain = run(generator, prompt, "none", 24)
+    for kind, where in (("eagle", folder), ("medusa", medusa_options.folder())):  # barely trained, still lossless
+        generator.draft_heads = {kind: load_head(where, loaded.model, target_fingerprint("bundled"))}
+        assert kind in generator.drafters and run(generator, prompt, kind, 24, **FIXED) == plain
+        assert generator.last_stats.drafted_tokens > 0
+
+
+def test_a_head_loads_only_against_the_target_it_was_trained_for(loaded, tiny_llm_dir, shipped):
+    folder = shipped.draft_heads["eagle"].folder
+    other = target_fingerprint(str(tiny_llm_dir))
+    assert other != target_fingerprint("bundled")
+    with pytest.raises(DraftHeadMismatchError, match="trained for target weights"):
+        load_head(folder, loaded.model, other)
+    tiny = load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float32"))
+    assert find_heads(str(tiny_llm_dir), tiny.model) == {}
+    assert "eagle" not in Generator.from_options(tiny, LlmOptions(model=str(tiny_llm_dir))).drafters
+
+
+@pytest.mark.parametrize("text", SOME)
+def test_greedy_with_the_shipped_head_is_plain_decoding(loaded, shipped, text):
+    prompt = encode(loaded, text)
+    plain = run(shipped, prompt, "none")
+    assert run(shipped, prompt, "eagle", **FIXED) == plain
+    stats = shipped.last_stats
+    assert stats.drafted_tokens > 0 and stats.accepted_draft_tokens > 0  # it drafted, and was right at times
+    assert stats.mean_accepted_len > 1.0
+    assert run(shipped, prompt, "eagle") == plain  # with the draft length and the guard adapting
+
+
+def test_greedy_with_the_head_in_a_batch_is_plain_decoding(loaded, shipped):
+    kind = "eagle"
+    prompts = [encode(loaded, t) for t in SOME]
+    decoder = BatchedDecoder(shipped, 3)
+    rows = {id(decoder.add(GenerationRequest(p, 32, kind, **FIXED))): i for i, p in enumerate(prompts)}
+    out: list[list[int]] = [[] for _ in prompts]
+    while decoder.rows:
+        for row, step in decoder.step():
+            out[rows[id(row)]] += step.token_ids
+    assert out == [run(shipped, p, "none", 32) for p in prompts]
+
+
+def test_sampled_drafts_carry_their_distribution_over_the_whole_vocabulary(loaded, shipped):
+    """q is the distribution each draft token was drawn from: zero outside the draft vocabulary,
+    summing to 1; so the verifier's rule keeps the target's distribution (tests/test_lossless.py)."""
+    trained = shipped.draft_heads["eagle"]
+    sampling = SamplingOptions(temperature=0.8, top_p=0.95, seed=3)
+    prompt = encode(loaded, SOME[1])
+    steps = list(shipped.steps(GenerationRequest(prompt, 24, trained.kind, sampling)))
+    assert sum(len(s.token_ids) for s in steps) > 0
+    drafter = trained.drafter(sampling, torch.Generator().manual_seed(0))
+    out = shipped.forward(input_ids=torch.tensor([prompt[:-1]]), logits_to_keep=0)
+    drafter.observe(0, out.hidden[0])
+    draft = drafter.propose(prompt, 4)
+    assert len(draft.tokens) == 4 and draft.q is not None and draft.q.shape == (4, trained.vocab_size)
+    assert torch.allclose(draft.q.sum(-1), torch.ones(4, dtype=draft.q.dtype), atol=1e-5)
+    outside = torch.ones(trained.vocab_size, dtype=torch.bool)
+    outside[trained.vocab] = False
+    assert float(draft.q[:, outside].abs().sum()) == 0.0
+    assert all(float(draft.q[i, t]) > 0 for i, t in enumerate(draft.tokens))
