@@ -568,12 +568,15 @@ def run(settings, session_counts: tuple[int, ...], turns: int, json_path: str | 
     if not results:
         return 1
     print_table(results)
-    png = Path(out_dir) / "e2e_waterfall.png"
-    plot_waterfall(results, png)
-    print(f"\nwrote {png}")
-    if json_path:
+    if json_path:  # before the plot, so that a run is never lost to a missing plotting library
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {json_path}")
+        print(f"\nwrote {json_path}")
+    png = Path(out_dir) / "e2e_waterfall.png"
+    try:
+        plot_waterfall(results, png)
+        print(f"wrote {png}")
+    except ModuleNotFoundError as e:
+        print(f"no waterfall plot: {e.name} is missing (pip install -e '.[bench]')")
     answered = sum(s["answered_turns"] for s in results.values())
     return 0 if answered else 1

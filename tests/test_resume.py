@@ -34,6 +34,7 @@ MAX_NEW = 24
 DRAFTERS = ("none", "ngram", "suffix", "early-exit", "quantized")
 FORMS = ("dense", pytest.param("int4-exact", marks=pytest.mark.skipif(
     unavailable_reason() is not None, reason=str(unavailable_reason()))))
+DEFAULT_FORM = "int4-exact" if unavailable_reason() is None else "dense"  # what llm.weights=auto loads here
 SAMPLINGS = [SamplingOptions(temperature=0.7, seed=11), SamplingOptions(temperature=1.0, top_p=0.9, seed=12)]
 FALSE_ALARM = 1e-3
 
@@ -158,8 +159,15 @@ def test_one_token_replay_where_the_products_are_not_row_invariant(tiny_llm_dir)
 
 # --- Greedy: the resumed reply is the uninterrupted one ------------------------------------
 
+# Dense float32 replays a token a pass (its products are not row-invariant), so the suite's share
+# there is plain decoding, a model-free drafter and a model drafter; int4-exact takes every drafter.
+DENSE_DRAFTERS = ("none", "suffix", "quantized")
+
+
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_a_greedy_reply_resumed_at_any_cut_is_the_uninterrupted_reply(bundled, drafter):
+    if bundled.loaded.weights == "dense" and drafter not in DENSE_DRAFTERS:
+        pytest.skip("dense float32 resumes with a share of the drafters; int4-exact with each")
     plain = tokens(steps_of(bundled, GenerationRequest(encode(bundled, TEXTS[0]), MAX_NEW)))
     for text_ in TEXTS:
         request = GenerationRequest(encode(bundled, text_), MAX_NEW, drafter)
@@ -213,8 +221,8 @@ def test_a_resume_on_a_worker_without_the_sessions_prefix_cache(bundled):
 
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=["t0.7", "t1.0-top-p0.9"])
 def test_a_seeded_reply_resumed_is_the_uninterrupted_reply(bundled, sampling):
-    if bundled.loaded.weights != "dense":
-        pytest.skip("one float32 form is enough for sampling: the replay is the same")
+    if bundled.loaded.weights != DEFAULT_FORM:
+        pytest.skip(f"one float32 form is enough for sampling: the default one, {DEFAULT_FORM}")
     prompt = encode(bundled, TEXTS[0])
     plain = tokens(steps_of(bundled, GenerationRequest(prompt, MAX_NEW, "none", sampling)))
     for drafter in DRAFTERS:
