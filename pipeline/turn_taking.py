@@ -18,7 +18,8 @@ The rules, in the terms of Pipecat's and LiveKit Agents' turn handling:
   starts the held reply even sooner (preemption); a final that says something else drops it.
 - **Interruption in two steps** (Kyutai's Unmute and LiveKit pause first, too): voice while
   the avatar is audible *pauses* playback at once; then the words decide. A backchannel
-  ("yeah", "mm-hmm") or a final with no words *resumes*; anything else *interrupts*: the
+  ("yeah", "mm-hmm"), a final with no words, or one whose only words the asr is sure of ask
+  for nothing (backchannel words, hums, a lone letter) *resumes*; anything else *interrupts*: the
   turn's queued audio is dropped, its work cancelled, and the history keeps only the words
   the user heard, marked as cut off. Voice that stops before it is speech (a cough, noise)
   resumes too.
@@ -66,9 +67,10 @@ class TurnTakingOptions:
     backchannels: tuple[str, ...] = DEFAULT_BACKCHANNELS
     backchannel_max_words: int = 3
     openers: tuple[str, ...] = DEFAULT_OPENERS  # a turn of one of these alone is never plainly complete
-    # Words said over the avatar that the asr is this unsure of, every one, are taken as noise:
-    # whisper tiny turns a murmured "mm-hmm" into "And" (p 0.43) or "in a month", while a real
-    # "Stop." or "Hold on." came at 0.52-0.94 on both test voices.
+    # Over the avatar, only words the asr is at least this sure of can take the floor; the rest
+    # count as noise. Whisper tiny turns a murmured "mm-hmm" into "And" (p 0.43) or "mm in a
+    # moment" (0.00, 0.30, 0.71, 0.39), while a real "Stop." or "Hold on." came at 0.52-0.94 on
+    # both test voices (docs/benchmarks.md, "Live conversations end to end").
     min_interrupt_confidence: float = 0.45
     pause_max_s: float = 3.0  # a pause the words never decided ends in a resume
     audio_lead_s: float = 1.0  # reply audio sent ahead of playback, at most
@@ -102,7 +104,9 @@ class Partial:
 class Final:
     utterance: int
     text: str
-    confidence: float = 1.0  # the asr's highest word probability in it (1: not known)
+    # The asr's probability of each of its words, in order, as (word, probability); empty: not
+    # known, and every word counts as sure.
+    word_probabilities: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -414,8 +418,11 @@ class TurnTaking:
             # utterance they make up is transcribed.)
             if text and self._backchannel(text):  # whisper prompted with them may be unsure of one
                 return self._resume(now_s, "backchannel")
-            if not text or event.confidence < self.options.min_interrupt_confidence:
+            sure = self._sure_words(event)
+            if not sure:
                 return self._resume(now_s, "noise")
+            if self._no_floor_taken(sure):
+                return self._resume(now_s, "backchannel")
             actions += self._interrupt(now_s)
         t = self.turn
         if t and t.utterance == event.utterance and not t.final_seen and not t.audio_sent:
@@ -574,6 +581,20 @@ class TurnTaking:
             return False
         return "".join(words) in self._backchannel_phrases or all(
             w in self._backchannel_words or MURMUR.fullmatch(w) for w in words)
+
+
+    def _sure_words(self, event: Final) -> list[str]:
+        """The final's words (as `_words` splits them) the asr is sure enough of to take the floor."""
+        if not event.word_probabilities:
+            return _words(event.text)
+        least = self.options.min_interrupt_confidence
+        return [w for word, p in event.word_probabilities if p >= least for w in _words(word)]
+
+    def _no_floor_taken(self, sure: list[str]) -> bool:
+        """Sure words that ask for nothing: few, and each a backchannel word, a hum or a lone
+        letter (the "a" of "mm in a moment", whisper's guess at a murmur)."""
+        return _distinct_words(sure) <= self.options.backchannel_max_words and all(
+            w in self._backchannel_words or MURMUR.fullmatch(w) or len(w) == 1 for w in sure)
 
 
 def _distinct_words(words: list[str]) -> int:

@@ -296,8 +296,8 @@ class Conversation:
             await self.handle(Partial(event.utterance_index, event.text, stable))
         elif kind == KIND.FINAL:
             self.finals[event.utterance_index] = event
-            confidence = max((w.probability for w in event.words), default=0.0)
-            await self.handle(Final(event.utterance_index, event.text, confidence))
+            words = tuple((w.text, w.probability) for w in event.words)
+            await self.handle(Final(event.utterance_index, event.text, words))
 
     async def handle(self, event: Event) -> None:
         async with self._lock:
