@@ -189,6 +189,32 @@ class FinalTranscript:
 AsrEvent = VoiceStarted | VoiceEnded | SpeechStarted | PartialTranscript | FinalTranscript
 
 
+class SharedCadence:
+    """The partial passes of the streams one model thread serves, shared out among those speaking.
+
+    The asr's thread runs every stream's passes on cores the llm and tts need too. While one
+    user speaks, a stream's partials come every `partial_every_ms`; with n users speaking at
+    once, each one's come n times as far apart, so the thread's partial passes stay about one
+    per `partial_every_ms` in all and the machine's cores go to the replies being written.
+    The pass at the first silence (preemption's, and the final's when it can be reused) and
+    the finals are never spaced out: they are what the turn waits for.
+    """
+
+    def __init__(self) -> None:
+        self._speaking: set[int] = set()
+
+    def speaking(self, stream: int, active: bool) -> None:
+        if active:
+            self._speaking.add(stream)
+        else:
+            self._speaking.discard(stream)
+
+    @property
+    def streams(self) -> int:
+        """Streams with speech open now, at least 1."""
+        return max(1, len(self._speaking))
+
+
 class StreamingRecognizer:
     """VAD, partial passes and LocalAgreement over one audio stream; blocking (a model thread).
 
@@ -201,9 +227,13 @@ class StreamingRecognizer:
     so the final costs no transcription of its own.
     """
 
-    def __init__(self, options: AsrOptions, transcriber: Transcriber, language: str | None = None) -> None:
-        """`language`: this stream's (checked with `Transcriber.check_language`); None: `options.language`."""
+    def __init__(self, options: AsrOptions, transcriber: Transcriber, language: str | None = None,
+                 cadence: SharedCadence | None = None) -> None:
+        """`language`: this stream's (checked with `Transcriber.check_language`); None: `options.language`;
+        `cadence`: shared with the other streams of the same model thread (None: this stream alone).
+        Call `close` when the stream is done with."""
         self.options = options
+        self.cadence = cadence or SharedCadence()
         self.transcriber = transcriber
         self.language = options.language if language is None else language
         self.segmenter = UtteranceSegmenter(options)
@@ -218,6 +248,7 @@ class StreamingRecognizer:
         before, after = _voice_around(self.segmenter.voice_events, closed)
         events: list[AsrEvent] = [*before]
         open_utterance = self.segmenter.open_utterance()
+        self.cadence.speaking(id(self), open_utterance is not None)
         if not was_active and closed:
             events.append(SpeechStarted(closed[0].index, self.segmenter.stream_s))
         events += [self._final(u) for u in closed]
@@ -231,11 +262,16 @@ class StreamingRecognizer:
     def finish(self) -> list[AsrEvent]:
         """The stream ended: the open utterance (if any) gets its final now; a voice that was not
         speech gets its VoiceEnded."""
+        self.close()
         was_active = self.segmenter.speech_active
         closed = self.segmenter.finish()
         before, after = _voice_around(self.segmenter.voice_events, closed)
         started = [SpeechStarted(closed[0].index, self.segmenter.stream_s)] if closed and not was_active else []
         return [*before, *started, *(self._final(u) for u in closed), *after]
+
+    def close(self) -> None:
+        """This stream no longer takes a share of the cadence."""
+        self.cadence.speaking(id(self), False)
 
     def _pass_due(self, utterance: Utterance) -> bool:
         """A pass once `partial_every_ms` of new audio has come while the user speaks. Once the VAD
@@ -247,7 +283,7 @@ class StreamingRecognizer:
             margin_heard = passed and self._heard_margin(self._pass_heard_s, utterance)
             return _ms(self.segmenter.silence_after_s) >= self.options.final_reuse_margin_ms and not margin_heard
         since_s = self._pass_heard_s if passed else utterance.speech_start_s
-        return _ms(self.segmenter.stream_s - since_s) >= self.options.partial_every_ms
+        return _ms(self.segmenter.stream_s - since_s) >= self.options.partial_every_ms * self.cadence.streams
 
     def _heard_margin(self, heard_s: float, utterance: Utterance) -> bool:
         """Audio heard up to `heard_s` holds `final_reuse_margin_ms` of silence after the speech."""

@@ -13,6 +13,7 @@ from pipeline.asr_stream import (
     AsrEvent,
     PartialTranscript,
     SpeechStarted,
+    SharedCadence,
     StreamingRecognizer,
     VoiceEnded,
     VoiceStarted,
@@ -60,6 +61,7 @@ class AsrServicer(pb_grpc.AsrServicer):
         self.sessions = sessions
         self.transcriber = Transcriber(options)
         self.worker = ModelWorker("asr")
+        self.cadence = SharedCadence()  # the partial passes of this thread's streams, shared out
 
     async def Transcribe(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator:
         clock = StageClock("asr")
@@ -68,7 +70,7 @@ class AsrServicer(pb_grpc.AsrServicer):
             await self.sessions.require(config.session_id)
             decoder = WireAudioDecoder(config.format)
             language = self.transcriber.check_language(config.language) if config.language else None
-            recognizer = StreamingRecognizer(self.options, self.transcriber, language)
+            recognizer = StreamingRecognizer(self.options, self.transcriber, language, self.cadence)
             yield pb.TranscriptEvent(kind=Kind.READY, emitted_unix_ms=now_ms())
             chunks: asyncio.Queue = asyncio.Queue()
             reader = asyncio.create_task(_read_audio(request_iterator, chunks, clock))
@@ -87,6 +89,7 @@ class AsrServicer(pb_grpc.AsrServicer):
                     yield _event(clock, event)
             finally:
                 reader.cancel()
+                recognizer.close()
 
 
 async def _read_audio(request_iterator, chunks: asyncio.Queue, clock: StageClock) -> None:

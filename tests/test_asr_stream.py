@@ -14,6 +14,7 @@ from pipeline.asr_stream import (
     FinalTranscript,
     LocalAgreement,
     PartialTranscript,
+    SharedCadence,
     SpeechStarted,
     StreamingRecognizer,
     VoiceEnded,
@@ -151,6 +152,39 @@ def test_a_partial_every_200_ms_of_speech_then_one_pass_in_the_silence(speech, t
     assert [p.speech_ending for p in in_silence] == [True] and in_silence[0] is partials[-1]
     (final,) = finals(events)
     assert final.reused_partial and final.words == (*in_silence[0].committed, *in_silence[0].tentative)
+
+
+def test_streams_speaking_at_once_share_the_partial_passes_and_no_final_waits(speech, transcriber):
+    """Two users speaking at once on one asr thread: each stream's partials come twice as far apart
+    (the thread's passes stay one per partial_every_ms), the pass at the first silence and the
+    finals are not delayed, and a stream alone again gets the full cadence."""
+    options = AsrOptions()
+    audio = np.concatenate([speech("Tell me something interesting about the moon."),
+                            np.zeros(SAMPLE_RATE_HZ, np.float32)])
+    alone = stream(StreamingRecognizer(options, transcriber), audio)
+    cadence = SharedCadence()
+    first, second = (StreamingRecognizer(options, transcriber, cadence=cadence) for _ in range(2))
+    together: tuple[list, list] = ([], [])
+    step = SAMPLE_RATE_HZ // 10
+    for i in range(0, audio.size, step):
+        for recognizer, events in zip((first, second), together, strict=True):
+            events += recognizer.feed(audio[i : i + step])
+    for recognizer, events in zip((first, second), together, strict=True):
+        events += recognizer.finish()
+
+    def speaking(events) -> list[float]:  # partials heard before any silence
+        return [e.heard_s for e in events if isinstance(e, PartialTranscript) and e.heard_s == e.speech_end_s]
+
+    for events in together:
+        assert np.allclose(np.diff(speaking(events)), 2 * options.partial_every_ms / 1000)
+        assert len(speaking(events)) < len(speaking(alone))
+        # The final comes at the same point of the stream, from a pass that heard the same silence.
+        assert [(f.utterance.speech_end_s, f.reused_partial) for f in finals(events)] == [
+            (f.utterance.speech_end_s, f.reused_partial) for f in finals(alone)]
+    assert cadence.streams == 1  # both finished: neither holds a share
+    second.close()
+    again = stream(StreamingRecognizer(options, transcriber, cadence=cadence), audio)
+    assert speaking(again) == speaking(alone)
 
 
 def test_silence_only_gives_no_events(transcriber):
