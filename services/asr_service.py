@@ -12,8 +12,8 @@ from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber
 from pipeline.asr_stream import (
     AsrEvent,
     PartialTranscript,
-    SpeechStarted,
     SharedCadence,
+    SpeechStarted,
     StreamingRecognizer,
     VoiceEnded,
     VoiceStarted,
