@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -237,6 +238,7 @@ class _Saying:
         self.servicer, self.writer, self.speaker, self.past, self.clock = servicer, writer, speaker, past, clock
         self.words = 0  # the turn's words so far: each word's index
         self.hurried_seq = -1
+        self._played_from_s: float | None = None  # Unix time the turn's timeline starts playing, about
         hurried = past.hurried_seq is not None and past.hurried_seq >= 0
         self.degradations = ["first_phrase_shortened"] if hurried else []
 
@@ -256,7 +258,7 @@ class _Saying:
                 "text": text, "start_s": repr(speaker.end_s), "chunk": str(speaker.chunks_out),
                 "word": str(self.words), **({"hurried_seq": str(self.hurried_seq)} if ordinal == 0 else {})})
             await self._write([marker])
-        async for piece in self.servicer.worker.iterate(speaker.speak(text)):
+        async for piece in self.servicer.worker.iterate(speaker.speak(text), self._due_s):
             entries, fresh = [], []
             for event in _events(piece, speaker):
                 kind = event.WhichOneof("event")
@@ -272,10 +274,20 @@ class _Saying:
             for event in fresh:
                 if event.WhichOneof("event") == "audio":
                     self.clock.emitted()
+                    if self._played_from_s is None:
+                        self._played_from_s = time.time() - event.audio.start_s
                 yield event
         await self._write([SpeechEntry(0, "done", speaker.next_phrase_index - 1, ordinal, data={
             "end_s": repr(speaker.end_s), "chunks": str(speaker.chunks_out), "words": str(self.words),
             "next_phrase": str(speaker.next_phrase_index)})])
+
+    def _due_s(self) -> float:
+        """When the next piece will be played (the model thread's deadline for it): now, before
+        the turn's first audio; after it, when playback from that audio reaches the end of what
+        was made (the gateway sends audio a little ahead, `turn_taking.audio_lead_s`)."""
+        if self._played_from_s is None:
+            return time.time()
+        return self._played_from_s + self.speaker.end_s
 
     async def _write(self, entries: list[SpeechEntry]) -> None:
         """One piece's entries, atomically; raises _Cancelled once the turn is cancelled."""
