@@ -52,7 +52,7 @@ def able() -> str | None:
 
 
 def no_avx() -> str | None:
-    return "the int4-exact kernel needs a CPU with AVX-512"
+    return "the int4-exact kernel needs a CPU with AVX2 (and FMA) or AVX-512; torch reports DEFAULT"
 
 
 def not_codes() -> str | None:
@@ -71,7 +71,7 @@ def test_auto_takes_int4_exact_only_for_a_float32_q4_1_checkpoint_on_a_cpu_that_
         (("cuda", "float32", True), able, able, "llm.device=cuda"),
         (("cpu", "bfloat16", True), able, able, "llm.dtype=bfloat16"),
         (("cpu", "float32", False), able, able, "llm.lean_forward=false"),
-        (("cpu", "float32", True), no_avx, able, "AVX-512"),
+        (("cpu", "float32", True), no_avx, able, "AVX2 (and FMA) or AVX-512"),
         (("cpu", "float32", True), able, not_codes, "Q4_K, not Q4_1"),
     ]:
         form, reason = choose_weights(*settings, machine, stored)
@@ -134,9 +134,29 @@ def test_the_install_step_builds_the_kernel_or_says_why_not(monkeypatch, capsys)
     if unavailable_reason() is None:
         assert exact_codes.main(["--build"]) == 0
         assert "int4-exact kernel ready" in capsys.readouterr().out
-    monkeypatch.setattr(exact_codes, "unavailable_reason", lambda: "the int4-exact kernel needs a CPU with AVX-512")
+    monkeypatch.setattr(exact_codes, "unavailable_reason", no_avx)
     assert exact_codes.main(["--build"]) == 0
-    assert "not built: the int4-exact kernel needs a CPU with AVX-512" in capsys.readouterr().out
+    assert f"not built: {no_avx()}" in capsys.readouterr().out
+
+
+def test_the_kernel_runs_on_avx2_and_avx512_cpus_and_its_build_is_named_by_the_instruction_set(monkeypatch):
+    """One source for both instruction sets (kernels/simd16.h); a build is never shared between them."""
+    monkeypatch.setattr(exact_codes.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(exact_codes, "_cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    names = {}
+    for capability in ("AVX2", "AVX512"):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert unavailable_reason() is None, capability
+        names[capability] = exact_codes.kernel_name()
+    assert names["AVX2"].startswith("specvox_exact_codes_avx2_")
+    assert names["AVX512"].startswith("specvox_exact_codes_avx512_")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert unavailable_reason() == no_avx()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr(exact_codes, "_cpu_flags", lambda: {"avx2", "fma"})
+    assert "F16C" in str(unavailable_reason())
+    monkeypatch.setattr(exact_codes.platform, "machine", lambda: "aarch64")
+    assert "x86-64 with AVX2 or AVX-512, not aarch64" in str(unavailable_reason())
 
 
 def q4_1_matrix(out_features: int, in_features: int) -> torch.Tensor:
@@ -178,7 +198,8 @@ def test_the_kernel_reads_back_every_weight_bit_for_bit(coded):
 def test_products_are_float32_products_and_each_row_is_computed_alone(coded):
     linear, layer, output = coded
     for weight in (layer, output):
-        for rows in (1, 2, 9, 12, 13, 40):  # past 12 rows the kernel sweeps the codes again
+        # past kRowsPerSweep rows (12 with AVX-512, 4 with AVX2: kernels/codes.h) the kernel sweeps the codes again
+        for rows in (1, 2, 4, 5, 9, 12, 13, 40):
             x = torch.randn(rows, weight.shape[1])
             together = linear(x, weight)
             # within float32's bound for a sum of K products (K·2⁻²⁴·Σ|x·w|) of the exact product
@@ -262,12 +283,12 @@ def test_int4_exact_decoding_equals_hugging_face_float32_greedy(bundled_exact, h
 
 @needs_kernel
 def test_the_default_settings_load_the_bundled_target_as_codes(caplog):
-    """On a CPU with AVX-512, `llm.weights` left at its default runs the bundled target as int4-exact."""
+    """On a CPU with AVX2 or AVX-512, `llm.weights` left at its default runs the bundled target as int4-exact."""
     with caplog.at_level(logging.INFO, logger="pipeline.llm.model"):
         loaded = load_model(LlmOptions())
     assert loaded.weights == "int4-exact" and isinstance(loaded.lean.linear, ExactCodesLinear)
     assert [r.getMessage() for r in caplog.records if r.name == "pipeline.llm.model"] == [
-        "llm weights: int4-exact (llm.weights=auto: a float32 Q4_1 checkpoint on a CPU with AVX-512: "
+        "llm weights: int4-exact (llm.weights=auto: a float32 Q4_1 checkpoint on a CPU with AVX2 or AVX-512: "
         "float32 outputs from the stored codes)"]
 
 

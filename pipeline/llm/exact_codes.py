@@ -11,13 +11,18 @@ matrix whose codes give back every weight bit for bit, with d·q exact in float3
 kernel's fused multiply-add rounds as torch's two operations do. The arithmetic is float32 on the model's own weights
 (`llm.weights=int4-exact`); only the order of each dot product's sums differs from torch's
 kernels, as it does between any two float32 kernels. A step's products take ~12 ms for one
-token and ~25 ms for nine, against ~36 and ~60 ms dense (docs/benchmarks.md).
+token and ~25 ms for nine, against ~36 and ~60 ms dense, on an AVX-512 host (docs/benchmarks.md,
+which has the AVX2 figures too).
 
 Unlike `llm.weights=int4` (`weight_kernels.Int4Linear`: requantized weights, bfloat16
 activations), nothing is rounded that the float32 model does not round, so outputs are
 the float32 model's.
 
-The kernel is C++ with AVX-512, compiled once per machine by torch's extension builder
+The kernel is C++ written once on a 16-lane vector (`kernels/simd16.h`) that is one AVX-512
+register, or two AVX2 registers on a CPU with AVX2, FMA and F16C but no AVX-512; its summation
+orders are fixed per instruction set, so results are reproducible on one machine (and each row
+is computed alone on either), not necessarily bit for bit between an AVX2 and an AVX-512 host.
+It is compiled once per machine by torch's extension builder
 (gcc and ninja; about a minute, then cached under torch's extensions directory:
 `$TORCH_EXTENSIONS_DIR`, else `~/.cache/torch_extensions/py311_cpu`). `make install` builds it
 (`python -m pipeline.llm.exact_codes --build`), so the first load finds it in that cache.
@@ -52,7 +57,8 @@ log = logging.getLogger(__name__)
 KERNELS = Path(__file__).with_name("kernels")
 KERNEL_SOURCE = KERNELS / "exact_codes.cpp"
 # one extension: the products (exact_codes.cpp), the whole decoding pass (lean_step.cpp), what they share
-KERNEL_FILES = (KERNEL_SOURCE, KERNELS / "lean_step.cpp", KERNELS / "codes.h")
+# (codes.h, and simd16.h: the 16-lane vector, one AVX-512 or two AVX2 registers)
+KERNEL_FILES = (KERNEL_SOURCE, KERNELS / "lean_step.cpp", KERNELS / "codes.h", KERNELS / "simd16.h")
 # Without -fopenmp, at::parallel_for in the kernels runs on the calling thread alone
 # (ATen/Parallel-inl.h splits work only in code compiled with OpenMP). Built with it, a step opens
 # ~150 parallel regions, and on a machine whose 2 cores other processes share (the llm beside asr
@@ -60,7 +66,10 @@ KERNEL_FILES = (KERNEL_SOURCE, KERNELS / "lean_step.cpp", KERNELS / "codes.h")
 # 2026-12-02 under load ~4, a one-token step took 396 ms median on 2 threads against 28 ms on one
 # (docs/benchmarks.md, "Lean step and llama.cpp"). So the kernels stay on one thread.
 KERNEL_FLAGS = ("-O3", "-march=native")
-LANES = 16  # output features per block of the kernel's layout: one AVX-512 register
+LANES = 16  # output features per block of the kernel's layout: one AVX-512 register, or two AVX2 ones
+# torch's CPU capability → the instruction set the kernel is compiled for (simd16.h): its vector is
+# one zmm register with AVX-512, two ymm registers with AVX2 (torch reports AVX2 with FMA too).
+KERNEL_ISAS = {"AVX512": "avx512", "AVX2": "avx2"}
 
 
 @dataclass(frozen=True)
@@ -77,12 +86,25 @@ class CodedWeight:
         return self.records.numel()
 
 
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return set()
+    return set(cpuinfo.read_text().split("flags", 1)[-1].split("\n", 1)[0].lstrip(" \t:").split())
+
+
 def unavailable_reason() -> str | None:
-    """Why the kernel cannot run on this machine, or None when it can."""
+    """Why the kernel cannot run on this machine, or None when it can: x86-64 with AVX-512, or
+    with AVX2, FMA and F16C (torch's CPU capability "AVX512" or "AVX2")."""
     if platform.machine() not in ("x86_64", "AMD64"):
-        return f"the int4-exact kernel is written for x86-64 with AVX-512, not {platform.machine()}"
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return "the int4-exact kernel needs a CPU with AVX-512"
+        return f"the int4-exact kernel is written for x86-64 with AVX2 or AVX-512, not {platform.machine()}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in KERNEL_ISAS:
+        return f"the int4-exact kernel needs a CPU with AVX2 (and FMA) or AVX-512; torch reports {capability}"
+    flags = _cpu_flags()
+    if capability == "AVX2" and flags and "f16c" not in flags:
+        return "the int4-exact kernel needs F16C beside AVX2 (float16 scales); this CPU has none"
     return None
 
 
@@ -170,12 +192,13 @@ def checkpoint_reason(gguf_path: str | Path | None) -> str | None:
 
 
 def kernel_name() -> str:
-    """The extension's name: keyed by the kernel's sources, its compiler flags and this CPU's flags (it
-    is built with -march=native, so a build for another CPU is never loaded here)."""
+    """The extension's name: the instruction set it is compiled for, then a hash of the kernel's
+    sources, its compiler flags and this CPU's flags (it is built with -march=native, so a build for
+    another CPU, AVX2 or AVX-512, is never loaded here), e.g. `specvox_exact_codes_avx2_0123456789ab`."""
     source = b"".join(path.read_bytes() for path in KERNEL_FILES) + " ".join(KERNEL_FLAGS).encode()
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = cpuinfo.read_text().split("flags", 1)[-1].split("\n", 1)[0] if cpuinfo.exists() else platform.processor()
-    return "specvox_exact_codes_" + hashlib.sha256(source + flags.encode()).hexdigest()[:12]
+    flags = " ".join(sorted(_cpu_flags())) or platform.processor()
+    isa = KERNEL_ISAS.get(torch.backends.cpu.get_cpu_capability(), "unsupported")
+    return f"specvox_exact_codes_{isa}_" + hashlib.sha256(source + flags.encode()).hexdigest()[:12]
 
 
 @functools.cache
@@ -315,14 +338,15 @@ def build() -> str:
         return f"int4-exact kernel not built: {reason}; llm.weights=auto runs dense weights here"
     started = time.perf_counter()
     module = kernels()
-    return f"int4-exact kernel ready in {time.perf_counter() - started:.1f} s: {module.__file__}"
+    return f"int4-exact kernel ready ({module.isa}) in {time.perf_counter() - started:.1f} s: {module.__file__}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pipeline.llm.exact_codes",
                                      description="the int4-exact kernel (llm.weights=auto or int4-exact)")
     parser.add_argument("--build", action="store_true",
-                        help="compile it for this CPU into torch's extensions cache (nothing to do without AVX-512)")
+                        help="compile it for this CPU into torch's extensions cache "
+                             "(nothing to do without AVX2 or AVX-512)")
     args = parser.parse_args(argv)
     if not args.build:
         parser.print_help()

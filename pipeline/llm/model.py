@@ -59,7 +59,7 @@ class LlmOptions:
     # "dense": the weights as loaded, in `dtype`. "int4-exact": kept as the 4- and 8-bit codes a
     # quantized checkpoint (the bundled Q4_1 GGUF) stored them in, dequantized exactly to float32 in
     # the kernel (pipeline/llm/exact_codes.py): float32 outputs, a sixth of the memory traffic; needs
-    # lean_forward, dtype=float32, a CPU with AVX-512. "int4": the layers' weights as 4-bit groups of
+    # lean_forward, dtype=float32, an x86-64 CPU with AVX2 or AVX-512. "int4": the layers' weights as 4-bit groups of
     # 32 through torch's CPU kernel with bfloat16 activations; needs lean_forward and dtype=bfloat16.
     # "auto": int4-exact where it applies (the outputs are dense float32's either way), else dense;
     # the choice and its reason are logged at load, and `LoadedModel.weights` says which runs.
@@ -222,7 +222,7 @@ def choose_weights(device: str, dtype: str, lean_forward: bool, machine_reason: 
 
     int4-exact computes what dense float32 computes, token for token, reading a sixth of the
     bytes, so it is taken wherever it runs: a float32 target on a CPU, through the lean pass,
-    on a machine that runs the kernel (`machine_reason() is None`: x86-64 with AVX-512), from a
+    on a machine that runs the kernel (`machine_reason() is None`: x86-64 with AVX2 or AVX-512), from a
     checkpoint stored as Q4_1 codes (`checkpoint_reason() is None`). The reasons are asked in
     that order, each only when the ones before allow int4-exact (reading a checkpoint costs).
     """
@@ -236,7 +236,8 @@ def choose_weights(device: str, dtype: str, lean_forward: bool, machine_reason: 
         why = reason()
         if why:
             return "dense", why
-    return "int4-exact", "a float32 Q4_1 checkpoint on a CPU with AVX-512: float32 outputs from the stored codes"
+    return "int4-exact", ("a float32 Q4_1 checkpoint on a CPU with AVX2 or AVX-512: "
+                          "float32 outputs from the stored codes")
 
 
 # The weight forms that run only on a CPU, each with the dtype its kernel computes in and why.

@@ -2,8 +2,9 @@
 // and Q8_0), dequantized in registers to exactly the float32 weights. The Python side
 // (pipeline/llm/exact_codes.py) packs the codes and checks that they reproduce the weights.
 //
-// Layout: the output features go in blocks of 16, one AVX-512 register, so a block's 16 dot
-// products advance together and no horizontal sums are needed. A weight matrix is a uint8
+// Layout: the output features go in blocks of 16, one simd::Vec (simd16.h: one AVX-512 register, or
+// two AVX2 registers; the records are the same on both), so a block's 16 dot products advance
+// together and no horizontal sums are needed. A weight matrix is a uint8
 // tensor [N/16, K/32, record]: per block, one record per group of 32 inputs, read as one
 // stream (the scales beside their codes):
 //   int4: 16 float16 scales, 16 float16 lows, 256 bytes of codes (two inputs a byte)
@@ -45,6 +46,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor records) { return linea
 void register_lean_step(pybind11::module& m);  // lean_step.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("isa") = specvox::simd::kIsa;  // what -march=native compiled: "AVX-512" or "AVX2"
   m.def("int4_linear", &int4_linear, "x @ W.T, W as records of 4-bit codes, a float16 scale and low per 32");
   m.def("int8_linear", &int8_linear, "x @ W.T, W as records of 8-bit codes, a float16 scale per 32");
   register_lean_step(m);

@@ -15,7 +15,6 @@
 // this pass writes its rows' keys and values at slots start .. start + T - 1.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <chrono>
 #include <cmath>
@@ -24,8 +23,12 @@
 #include <vector>
 
 #include "codes.h"
+#include "simd16.h"
 
 namespace {
+
+using specvox::simd::Vec;
+namespace simd = specvox::simd;
 
 using Clock = std::chrono::steady_clock;
 
@@ -44,32 +47,17 @@ struct Timer {
   }
 };
 
-// e^x in 16 lanes: 2^n · e^r with n = round(x / ln 2), r = x − n·ln 2 (Cody-Waite's two-part
-// ln 2), e^r by its Taylor series to r^7 (|r| ≤ ln 2 / 2: truncation under 1e-8, below float32's ulp).
-inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040);
-  for (const float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) {
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  }
-  return _mm512_scalef_ps(p, n);
-}
-
 // transformers' LlamaRMSNorm in float32: w · (x / sqrt(mean(x²) + eps)); E a multiple of 16.
 inline void rms_norm(const float* x, const float* w, float* out, int64_t E, float eps) {
-  __m512 acc = _mm512_setzero_ps();
+  Vec acc = simd::zero();
   for (int64_t i = 0; i < E; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
+    const Vec v = simd::loadu(x + i);
+    acc = simd::fmadd(v, v, acc);
   }
-  const float inv = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(E) + eps);
-  const __m512 scale = _mm512_set1_ps(inv);
+  const float inv = 1.0f / std::sqrt(simd::sum(acc) / static_cast<float>(E) + eps);
+  const Vec scale = simd::set1(inv);
   for (int64_t i = 0; i < E; i += 16) {
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(_mm512_loadu_ps(x + i), scale)));
+    simd::storeu(out + i, simd::mul(simd::loadu(w + i), simd::mul(simd::loadu(x + i), scale)));
   }
 }
 
@@ -86,9 +74,9 @@ inline void rotate(float* x, const float* cos, const float* sin, int64_t D) {
 }
 
 inline float dot(const float* a, const float* b, int64_t D) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t i = 0; i < D; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  return _mm512_reduce_add_ps(acc);
+  Vec acc = simd::zero();
+  for (int64_t i = 0; i < D; i += 16) acc = simd::fmadd(simd::loadu(a + i), simd::loadu(b + i), acc);
+  return simd::sum(acc);
 }
 
 // One query row of one head: softmax(q·Kᵀ / sqrt(D)) V over the slots listed, in their order.
@@ -105,23 +93,22 @@ void attend(const float* q, const float* keys, const float* values, const int64_
     scores[i] = dot(q, keys + slots[i] * D, D) * scale;
     top = std::max(top, scores[i]);
   }
-  __m512 total = _mm512_setzero_ps();
+  Vec total = simd::zero();
   for (int64_t i = 0; i < count; i += 16) {
-    const __mmask16 lanes = count - i >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                            : static_cast<__mmask16>((1u << (count - i)) - 1);
-    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, scores.data() + i), _mm512_set1_ps(top)));
-    _mm512_mask_storeu_ps(scores.data() + i, lanes, e);
-    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(lanes, e));
+    const int64_t lanes = count - i;  // the last 16 may be fewer
+    const Vec e = simd::exp(simd::sub(simd::load_first(scores.data() + i, lanes), simd::set1(top)));
+    simd::store_first(scores.data() + i, e, lanes);
+    total = simd::add(total, simd::keep_first(e, lanes));
   }
-  const float inv = 1.0f / _mm512_reduce_add_ps(total);
-  __m512 acc[8];  // D ≤ 128
-  for (int64_t j = 0; j < D / 16; ++j) acc[j] = _mm512_setzero_ps();
+  const float inv = 1.0f / simd::sum(total);
+  Vec acc[8];  // D ≤ 128
+  for (int64_t j = 0; j < D / 16; ++j) acc[j] = simd::zero();
   for (int64_t i = 0; i < count; ++i) {
-    const __m512 p = _mm512_set1_ps(scores[i]);
+    const Vec p = simd::set1(scores[i]);
     const float* v = values + slots[i] * D;
-    for (int64_t j = 0; j < D / 16; ++j) acc[j] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * j), acc[j]);
+    for (int64_t j = 0; j < D / 16; ++j) acc[j] = simd::fmadd(p, simd::loadu(v + 16 * j), acc[j]);
   }
-  for (int64_t j = 0; j < D / 16; ++j) _mm512_storeu_ps(out + 16 * j, _mm512_mul_ps(acc[j], _mm512_set1_ps(inv)));
+  for (int64_t j = 0; j < D / 16; ++j) simd::storeu(out + 16 * j, simd::mul(acc[j], simd::set1(inv)));
 }
 
 const uint8_t* bytes(const torch::Tensor& t) { return t.data_ptr<uint8_t>(); }
@@ -247,9 +234,9 @@ class LeanStep {
         const float* up = gate + I_;
         float* a = act.data() + n * I_;
         for (int64_t i = 0; i < I_; i += 16) {  // silu(g) · up = g / (1 + e^−g) · up
-          const __m512 g = _mm512_loadu_ps(gate + i);
-          const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-          _mm512_storeu_ps(a + i, _mm512_mul_ps(s, _mm512_loadu_ps(up + i)));
+          const Vec g = simd::loadu(gate + i);
+          const Vec s = simd::div(g, simd::add(simd::set1(1.0f), simd::exp(simd::sub(simd::zero(), g))));
+          simd::storeu(a + i, simd::mul(s, simd::loadu(up + i)));
         }
       }
       timer.lap(kElementwise);
