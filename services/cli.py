@@ -248,9 +248,10 @@ def _idle_threads_yield() -> None:
 def serve_one(settings, service: str) -> int:
     import importlib
 
-    from services.grpc_server import ServiceExit, run_service
+    from services.grpc_server import ServiceExit, run_service, set_priority
 
     module = importlib.import_module(f"services.{service}_service")
+    set_priority(settings, service)
     try:
         asyncio.run(run_service(settings, module.build))
     except ServiceExit as e:  # a worker failed (its traceback logged where it did), or the port is taken

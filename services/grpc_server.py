@@ -8,6 +8,7 @@ import heapq
 import inspect
 import itertools
 import logging
+import os
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -417,10 +418,24 @@ async def _serve(settings: Any, service: Service) -> None:
         raise WorkerFailed(f"{worker_name}: {failure}")
 
 
+def set_priority(settings: Any, service: str) -> None:
+    """This process at the service's `settings.nice`: every thread of it, since Linux keeps a
+    nice value per thread (threads made later inherit their maker's). A value this process may
+    not take (below its own, without the privilege) is logged and left."""
+    nice = settings.nice.get(service, 0)
+    if not nice:
+        return
+    tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
+    try:
+        for task in tasks:
+            os.setpriority(os.PRIO_PROCESS, int(task), nice)
+    except (PermissionError, ProcessLookupError) as e:
+        log.warning("%s: nice %d not taken (%s)", service, nice, e)
+
+
 def service_main(build: Callable[[Any], Awaitable[Service]]) -> None:
     """`python -m services.<name>_service`: the settings from the environment, run_service, exit 1
     with the reason when a worker failed or the port is taken. `specvox serve` does the same."""
-    import os
     import sys
 
     from services.runtime import configure_logging
@@ -428,6 +443,7 @@ def service_main(build: Callable[[Any], Awaitable[Service]]) -> None:
 
     settings = Settings()
     configure_logging(os.environ.get("SPECVOX_LOG_LEVEL", "INFO"), settings.log_format)
+    set_priority(settings, build.__module__.removeprefix("services.").removesuffix("_service"))
     try:
         asyncio.run(run_service(settings, build))
     except ServiceExit as e:

@@ -67,6 +67,11 @@ class Settings(BaseSettings):
     drain_grace_s: float = 10.0
     # How `specvox up` restarts a crashed child, when it gives up, worker ports (services/supervisor.py).
     supervisor: SupervisorOptions = SupervisorOptions()
+    # Each service process's CPU priority (its nice value; a service not named keeps 0). The
+    # stages that write replies yield the cores to asr and the gateway, whose work is small and
+    # on every turn's critical path (the final transcript, the pause): 4 sessions on 2 cores gave
+    # asr final p95 453 against 643 ms and pause p95 223 against 266 ms (docs/benchmarks.md).
+    nice: dict[str, int] = {"llm": 10, "tts": 10}
     turn_budget_ms: int = 800
     token_stream_ttl_s: int = 3600
     session_ttl_s: int = 24 * 3600

@@ -232,3 +232,25 @@ def test_a_failing_background_worker_takes_the_service_down_with_the_reason(redi
     assert "tts-probe: background worker probe failed: RuntimeError: the probe worker failed on purpose; " \
            "stopping the service (its supervisor restarts it)" in text, text[-3000:]
     assert "Traceback" in text  # the worker's own traceback, logged where it failed
+
+
+def test_a_service_process_takes_its_nice_value_on_every_thread():
+    """Linux keeps a nice value per thread: a thread started before `set_priority` is lowered too,
+    and one started after inherits it; a service with no value keeps 0."""
+    script = """
+import os, threading, types
+from services.grpc_server import set_priority
+start = os.getpriority(os.PRIO_PROCESS, 0)
+before = threading.Thread(target=threading.Event().wait, daemon=True)
+before.start()
+settings = types.SimpleNamespace(nice={"llm": 7})
+set_priority(settings, "asr")
+untouched = os.getpriority(os.PRIO_PROCESS, 0)
+set_priority(settings, "llm")
+after = threading.Thread(target=threading.Event().wait, daemon=True)
+after.start()
+print(untouched == start, sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[1]).stdout.split(maxsplit=1)
+    assert out == ["True", "[7]\n"]
