@@ -89,7 +89,6 @@ tts_pb, tts_grpc = load("tts")
 common = load_common()
 log = logging.getLogger(__name__)
 END = object()
-SCORE_WAIT_S = 0.5  # the reply's llm call waits this long at most for the end-of-turn score
 TICK_S = 0.02  # timers of the turn-taking machine (held turns, playout, pauses) are this fine
 KIND = asr_pb.TranscriptEvent
 Config = pb.SessionConfig
@@ -160,9 +159,6 @@ class TurnWork:
     tasks: list[asyncio.Task] = field(default_factory=list)
     prefix_cached_tokens: int = 0
     mode: str = "dialogue"
-    # Set once the end-of-turn score is in (or none is asked for): the score prefills the
-    # session's conversation on llm's prefix cache, then the reply's own prefill is a few tokens.
-    scored: asyncio.Event = field(default_factory=asyncio.Event)
     end_of_turn_ms: int = 0
     span: tracing.TurnSpan | None = None  # the turn's trace span; its context carries the ids logged
     first_phrase_unix_ms: int = 0  # when the reply text held a first phrase, as tts cuts it (metrics)
@@ -441,10 +437,8 @@ class Conversation:
         await self.servicer.queues[stage].add(turn_work(work.turn_id, request, **tracing.carrier()))
 
     async def _pump_reply(self, work: TurnWork, request) -> None:
-        try:
-            await asyncio.wait_for(work.scored.wait(), SCORE_WAIT_S)
-        except TimeoutError:
-            pass  # a slow score does not hold the reply back any longer
+        """The reply is queued at once, beside its end-of-turn score (asked first: the llm runs the
+        score before the reply's prefill, which then reuses what the score prefilled)."""
         work.llm_queued = True
         await self._enqueue("llm", work, request)
         await self._read_reply(work)
@@ -511,8 +505,7 @@ class Conversation:
         if work is None:
             return
         if self.settings.turn_taking.end_of_turn_threshold <= 0:
-            work.scored.set()  # silence alone decides: the machine confirms without a score
-            return
+            return  # silence alone decides: the machine confirms without a score
         work.tasks.append(asyncio.create_task(self._end_of_turn(work, action), context=work.span.context()))
 
     async def _end_of_turn(self, work: TurnWork, action: ScoreEndOfTurn) -> None:
@@ -525,7 +518,6 @@ class Conversation:
             log.warning("end-of-turn score failed, taking the turn as complete: %s", e.details())
             probability = 1.0
         finally:
-            work.scored.set()
             work.end_of_turn_ms = now_ms() - asked_ms
         await self.handle(EndOfTurnScored(action.turn_id, probability))
 

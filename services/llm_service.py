@@ -59,6 +59,7 @@ pb, pb_grpc = load("llm")
 common = load_common()
 TASKS = {pb.ReplyRequest.CAPTION: Task.CAPTION}
 FINISHED = ("eos", "length", "stop")  # a reply that ended so was written whole
+SCORE_WAIT_S = 1.0  # a reply waits this long at most for its session's end-of-turn score in progress
 
 
 class LlmServicer(pb_grpc.LlmServicer):
@@ -72,14 +73,18 @@ class LlmServicer(pb_grpc.LlmServicer):
         self.worker = ModelWorker("llm")
         self._pending: set[asyncio.Task] = set()
         # Other than 1, concurrent replies share each verification pass (BatchedDecoder checks the size).
-        batch = settings.llm.max_batch_size
-        self.scheduler = BatchScheduler(BatchedDecoder(self.generator, batch), self.worker.call) if batch != 1 else None
+        o = settings.llm
+        batch = o.max_batch_size
+        decoder = BatchedDecoder(self.generator, batch, urgent_tokens=o.urgent_tokens,
+                                 park_min_tokens=o.park_min_tokens)
+        self.scheduler = BatchScheduler(decoder, self.worker.call) if batch != 1 else None
         # With a prefix cache the end-of-turn score runs on the session's conversation as the reply
         # will see it (all the history that fits), so that the reply reuses what the score prefilled.
         self._scored_cache = self.generator.prefix_cache if self.generator.prefix_cache.sessions else None
         # Built at the first EndOfTurn: a model that is not ChatML still serves Reply, and only
         # EndOfTurn says why it cannot score.
         self._end_of_turn: EndOfTurnScorer | None = None
+        self._scoring: dict[str, asyncio.Event] = {}  # session -> its end-of-turn score in progress, set when done
         self.policy = BudgetPolicy(BudgetOptions(degraded_max_new_tokens=settings.llm.degraded_max_new_tokens,
                                                  degraded_max_draft_tokens=settings.llm.degraded_max_draft_tokens))
 
@@ -167,6 +172,7 @@ class LlmServicer(pb_grpc.LlmServicer):
             generation = generation.resumed([t for e in logged for t in e.token_ids], next_seq)
             log.info("turn %s: resuming at seq %d after %d tokens", turn_id, next_seq, len(generation.resume_tokens))
         reply_text, reason = "".join(e.text for e in logged), None
+        await self._after_the_score(request.session_id)
         try:
             async for step in self._steps(generation, stop.is_set):
                 clock.emitted()
@@ -187,6 +193,14 @@ class LlmServicer(pb_grpc.LlmServicer):
             raise
         await self._record_exchange(request, reply_text, reason or "")
 
+    async def _after_the_score(self, session_id: str) -> None:
+        """The gateway asks a turn's end-of-turn score and queues its reply at once; the reply's
+        prefill waits for a score of its session in progress, so that it reuses the conversation
+        the score prefilled instead of prefilling it beside it (the score is ~a prefill long)."""
+        if (scoring := self._scoring.get(session_id)) is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(scoring.wait(), SCORE_WAIT_S)
+
     async def _record_exchange(self, request, reply_text: str, reason: str) -> None:
         """After a dialogue reply that ended normally, the exchange joins the session's history, once
         however many workers saw the turn end (unless the caller records it: `defer_history`)."""
@@ -197,25 +211,32 @@ class LlmServicer(pb_grpc.LlmServicer):
 
     async def EndOfTurn(self, request, context: grpc.aio.ServicerContext):
         """P(the user's message ends after user_text), given the session's conversation
-        (pipeline.llm.end_of_turn); on the model thread, between decode steps, never beside one."""
-        async with status_on_error(context, "llm"):
-            session = await self.sessions.require(request.session_id)
-            if not request.user_text.strip():
-                raise ValueError("user_text is empty")
-            persona = request.system_prompt or session.get("system_prompt") or DEFAULT_PERSONA
-            history = await self.sessions.history(request.session_id)
-            scorer = self._end_of_turn = self._end_of_turn or EndOfTurnScorer(
-                self.loaded, **({"max_history_exchanges": 1_000, "max_history_tokens": self.loaded.context_tokens}
-                                if self._scored_cache is not None else {}))
+        (pipeline.llm.end_of_turn); on the model thread, between decode steps, never beside one,
+        and ahead of the replies' steps: the turn's reply waits for it (`_after_the_score`)."""
+        done = self._scoring[request.session_id] = asyncio.Event()
+        try:
+            async with status_on_error(context, "llm"):
+                session = await self.sessions.require(request.session_id)
+                if not request.user_text.strip():
+                    raise ValueError("user_text is empty")
+                persona = request.system_prompt or session.get("system_prompt") or DEFAULT_PERSONA
+                history = await self.sessions.history(request.session_id)
+                scorer = self._end_of_turn = self._end_of_turn or EndOfTurnScorer(
+                    self.loaded, **({"max_history_exchanges": 1_000, "max_history_tokens": self.loaded.context_tokens}
+                                    if self._scored_cache is not None else {}))
 
-            def score():
-                self._check_fits(request.user_text, persona)
-                return scorer.score(request.user_text, persona, history, prefix_cache=self._scored_cache,
-                                    session_key=request.session_id)
+                def score():
+                    self._check_fits(request.user_text, persona)
+                    return scorer.score(request.user_text, persona, history, prefix_cache=self._scored_cache,
+                                        session_key=request.session_id)
 
-            result = await self.worker.call(score)
-            return pb.EndOfTurnScore(probability=result.probability, prompt_tokens=result.prompt_tokens,
-                                     compute_ms=result.compute_ms)
+                result = await self.worker.call(score, due_s=0.0)
+                return pb.EndOfTurnScore(probability=result.probability, prompt_tokens=result.prompt_tokens,
+                                         compute_ms=result.compute_ms)
+        finally:
+            done.set()
+            if self._scoring.get(request.session_id) is done:
+                del self._scoring[request.session_id]
 
     def _check_fits(self, user_text: str, persona: str) -> None:
         """PromptTooLongError where the text and persona alone overflow the model's context: one pass

@@ -64,17 +64,17 @@ class Scheduled:
 
 
 def run_batched(generator: Generator, schedule: list[Scheduled], max_batch_size: int,
-                max_verify_tokens: int | None = None) -> tuple[list[list[DecodeStep]], BatchedDecoder]:
+                max_verify_tokens: int | None = None, **parking) -> tuple[list[list[DecodeStep]], BatchedDecoder]:
     """Steps of each scheduled request through one BatchedDecoder; arrivals wait for room.
 
     Without a cap on the pass, each row drafts as long as it would alone, so model-free
     rows line up with the single path step for step."""
-    decoder = BatchedDecoder(generator, max_batch_size, max_verify_tokens)
+    decoder = BatchedDecoder(generator, max_batch_size, max_verify_tokens, **parking)
     waiting = sorted(range(len(schedule)), key=lambda i: schedule[i].join_at)
     steps: list[list[DecodeStep]] = [[] for _ in schedule]
     index: dict[int, int] = {}
     tick = 0
-    while waiting or decoder.rows:
+    while waiting or decoder.active:
         while waiting and decoder.room and schedule[waiting[0]].join_at <= tick:
             i = waiting.pop(0)
             index[id(decoder.add(schedule[i].request, schedule[i].should_stop))] = i
@@ -137,6 +137,35 @@ def test_greedy_rows_equal_the_single_request_generator_for_every_drafter(tiny):
                        for s in steps if s.stats and item.request.drafter == d and not item.request.adaptive_draft)
                 for d in DRAFTERS[1:]}
     assert all(accepted.values()), f"some drafter's fixed drafts never had a token accepted: {accepted}"
+
+
+def test_rows_parked_while_a_new_reply_writes_its_first_tokens_decode_as_they_would_alone(tiny):
+    """First phrases first: old rows sit the steps out while a young one is urgent, and every row,
+    parked or not, cancelled while parked or not, decodes what it decodes alone."""
+    prompts = [encode(tiny, text) for text in ALL_PROMPTS[:6]]
+    schedule = [
+        Scheduled(GenerationRequest(prompts[0], 48, "ngram", adaptive_draft=False)),
+        Scheduled(GenerationRequest(prompts[1], 48, "suffix")),
+        Scheduled(GenerationRequest(prompts[2], 48, "none", SamplingOptions(temperature=0.8, seed=7))),
+        Scheduled(GenerationRequest(prompts[3], 40, "early-exit", adaptive_draft=False), join_at=14),
+        Scheduled(GenerationRequest(prompts[4], 48, "none"), join_at=15, should_stop=stop_after(18)),
+        Scheduled(GenerationRequest(prompts[5], 30, "draft"), join_at=30),
+    ]
+    batched, decoder = run_batched(tiny, schedule, max_batch_size=6, urgent_tokens=6, park_min_tokens=12)
+    for i, (item, steps) in enumerate(zip(schedule, batched, strict=True)):
+        reference = alone(tiny, dataclasses.replace(item, should_stop=lambda: False))
+        if i == 4:  # cancelled (a parked row is asked at each step it sits out too): a prefix of its reply
+            assert steps[-1].finish_reason == "cancelled" and 0 < len(tokens(steps)) < len(tokens(reference))
+            assert tokens(steps) == tokens(reference)[: len(tokens(steps))]
+            continue
+        assert tokens(steps) == tokens(reference), item.request.drafter
+        assert steps[-1].finish_reason == reference[-1].finish_reason
+        if not item.request.adaptive_draft:
+            assert same_steps(steps, reference), item.request.drafter
+    assert decoder.counters.parked >= 3 and not decoder.parked and not decoder.rows
+    assert 1 in decoder.counters.widths  # a young row stepped alone while the others were parked
+    with pytest.raises(ValueError, match="park_min_tokens"):
+        BatchedDecoder(tiny, 4, urgent_tokens=8, park_min_tokens=4)
 
 
 def test_greedy_rows_with_the_pass_capped_still_equal_the_single_request_generator(tiny):

@@ -147,6 +147,39 @@ async def test_the_llm_service_scores_the_sessions_conversation_beside_a_reply(r
         assert score.prompt_tokens == expected.prompt_tokens and score.compute_ms > 0
 
 
+async def test_a_reply_asked_beside_its_score_waits_for_it_and_reuses_its_prefill(redis_url, tiny_llm_dir):
+    """The gateway asks a turn's score and queues its reply at once: the llm runs the score first
+    and the reply's prefill then starts from the conversation the score left in the prefix cache."""
+    import asyncio
+
+    from services.protos import load
+
+    llm, _ = load("llm")
+    async with llm_on_loopback(redis_url, LlmOptions(model=str(tiny_llm_dir), dtype="float64")) as service:
+        redis, stub = service.redis, service.stub
+        session = await redis.sessions.create("Be brief.")
+        await redis.sessions.append(session, Exchange("Hi.", "Hello! How can I help?"))
+        turn = await redis.turns.create(session)
+        text = "What is the capital of Spain?"
+        history, calls = service.servicer.sessions.history, []
+
+        async def slow_history(session_id: str):  # the score's read (the first) takes a while: a loaded Redis
+            calls.append(session_id)
+            await asyncio.sleep(0.3 if len(calls) == 1 else 0)
+            return await history(session_id)
+
+        service.servicer.sessions.history = slow_history
+        score = asyncio.ensure_future(stub.EndOfTurn(llm.EndOfTurnRequest(session_id=session, user_text=text)))
+        await asyncio.sleep(0)  # the score's call goes out first, as the gateway's does
+        steps = [s async for s in stub.Reply(llm.ReplyRequest(session_id=session, turn_id=turn, user_text=text,
+                                                              max_new_tokens=8, defer_history=True))]
+        scored = await score
+    # A new session: nothing of it was cached before the score, which left all of the conversation
+    # before the user's (lower-cased) words.
+    assert steps[0].prefix_cached_tokens > 0 and scored.prompt_tokens > steps[0].prefix_cached_tokens
+    assert not service.servicer._scoring  # nothing left behind
+
+
 def test_a_score_on_the_sessions_prefix_cache_leaves_the_conversation_for_the_reply(scorer):
     """With the generator's prefix cache, the score prefills only the new words, and the reply
     that follows finds all of the conversation but the template's tail cached; the reply is the

@@ -20,6 +20,15 @@ cancelled one leaves by `index_select`, its live slots gathered into the session
 
 Invariant per row, as in engine.py: the cache holds every token of the row's context but
 the last.
+
+First phrases first. On a CPU a pass costs about what its positions cost (the int4 kernels
+sweep a few positions per read of the weights), so a reply that has not yet written its first
+phrase, which a listener is waiting for, steps several times slower beside three replies
+that are seconds ahead of their playback. With `urgent_tokens` set, while any row has
+written fewer tokens than that, the rows that have written `park_min_tokens` or more sit the
+steps out: *parked*, their live keys and values set aside, they rejoin (as a prefilled
+request joins) at the first step with no urgent row. Parking changes when a row steps,
+never what it computes: its context, cache and drafter state are the same afterwards.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ class BatchCounters:
     ragged_steps: int = 0  # steps whose rows drafted different lengths
     widths: list[int] = field(default_factory=list)  # rows per step
     largest_pass: int = 0  # the most positions (rows × (longest draft + 1)) one pass verified
+    parked: int = 0  # rows set aside while an urgent row stepped (First phrases first)
 
 
 class BatchedDecoder:
@@ -64,13 +74,20 @@ class BatchedDecoder:
     """
 
     def __init__(self, generator: Generator, max_batch_size: int = 8,
-                 max_verify_tokens: int | None = MAX_VERIFY_TOKENS) -> None:
+                 max_verify_tokens: int | None = MAX_VERIFY_TOKENS, urgent_tokens: int = 0,
+                 park_min_tokens: int = 0) -> None:
+        """`urgent_tokens`: a row with fewer new tokens than this steps without the rows that have
+        `park_min_tokens` or more (see the module docstring); 0: every row steps every time."""
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be at least 1")
+        if urgent_tokens and park_min_tokens < urgent_tokens:
+            raise ValueError("park_min_tokens must be at least urgent_tokens: an urgent row is never parked")
         self.generator, self.loaded = generator, generator.loaded
         self.max_batch_size = max_batch_size
         self.max_verify_tokens = max_verify_tokens
+        self.urgent_tokens, self.park_min_tokens = urgent_tokens, park_min_tokens
         self.rows: list[RequestDecoder] = []
+        self.parked: list[tuple[RequestDecoder, object]] = []  # rows sitting steps out, each with its own cache
         self._over: list[tuple[RequestDecoder, DecodeStep]] = []  # resumed requests over before they start
         self.cache = None  # a KVCache or DynamicCache, [B, H, L, D] per layer, or None while L = 0
         self.kept = torch.zeros((0, 0), dtype=torch.bool, device=self.loaded.device)  # [B, L]: live slots
@@ -94,7 +111,12 @@ class BatchedDecoder:
 
     @property
     def room(self) -> int:
-        return self.max_batch_size - len(self.rows)
+        return self.max_batch_size - len(self.rows) - len(self.parked)
+
+    @property
+    def active(self) -> bool:
+        """Rows left to step, parked ones included."""
+        return bool(self.rows or self.parked)
 
     @torch.inference_mode()
     def add(self, request: GenerationRequest, should_stop: Callable[[], bool] = lambda: False) -> RequestDecoder:
@@ -115,19 +137,24 @@ class BatchedDecoder:
 
     def clear(self) -> None:
         """Drop every row and the cache (after a failed step, whose state cannot be trusted)."""
-        self.rows, self.cache, self.kept, self._over = [], None, self.kept[:0, :0], []
+        self.rows, self.cache, self.kept, self._over, self.parked = [], None, self.kept[:0, :0], [], []
 
     @torch.inference_mode()
     def drop_stopped(self) -> list[tuple[RequestDecoder, DecodeStep]]:
-        """Cancel the rows whose `should_stop` says so: each leaves with its last step."""
+        """Cancel the rows whose `should_stop` says so, parked ones too: each leaves with its last step."""
         stopped = [i for i, row in enumerate(self.rows) if row.should_stop()]
         out, self._over = [*self._over, *((self.rows[i], self.rows[i].cancelled()) for i in stopped)], []
         self._leave(stopped)
+        for row, cache in [p for p in self.parked if p[0].should_stop()]:
+            self.parked.remove((row, cache))
+            out.append((row, row.cancelled()))
+            self._remember_cache(row, cache)
         return out
 
     @torch.inference_mode()
     def step(self) -> list[tuple[RequestDecoder, DecodeStep]]:
         out = self.drop_stopped()
+        self._park_or_rejoin()
         if not self.rows:
             return out
         drafting = self.guard.drafting() if any(row.guard is not None for row in self.rows) else None
@@ -214,16 +241,31 @@ class BatchedDecoder:
             self.cache = replace_layers(base, pairs)
         self.kept = torch.cat([kept_old, kept_new], dim=0)
 
-    def _leave(self, indices: list[int]) -> None:
+    def _park_or_rejoin(self) -> None:
+        """While a row is urgent the rows far enough along are parked; with none urgent, they rejoin."""
+        if not self.urgent_tokens:
+            return
+        if any(_new_tokens(row) < self.urgent_tokens for row in self.rows):
+            far = [i for i, row in enumerate(self.rows) if _new_tokens(row) >= self.park_min_tokens]
+            self.parked += [(self.rows[i], self._live_cache(i)) for i in far]
+            self._leave(far, remember=False)
+            self.counters.parked += len(far)
+            return
+        parked, self.parked = self.parked, []
+        for row, cache in parked:
+            self._join(cache, len(row.context) - 1)
+            self.rows.append(row)
+
+    def _leave(self, indices: list[int], remember: bool = True) -> None:
         if not indices:
             return
-        for i in indices:
+        for i in indices if remember else ():
             self._remember(i)
         gone = set(indices)
         stay = [i for i in range(len(self.rows)) if i not in gone]
         self.rows = [self.rows[i] for i in stay]
-        if not self.rows:
-            self.clear()
+        if not self.rows:  # the parked rows, if any, keep caches of their own
+            self.cache, self.kept = None, self.kept[:0, :0]
             return
         index = torch.tensor(stay, device=self.loaded.device)
         self.kept = self.kept.index_select(0, index)
@@ -235,12 +277,21 @@ class BatchedDecoder:
     def _remember(self, i: int) -> None:
         """Hand row i's keys and values (its live slots, in order) to the generator's prefix cache."""
         row = self.rows[i]
-        if not (self.generator.prefix_cache.sessions and row.request.session_key) or self.cache is None:
-            return
+        if self.generator.prefix_cache.sessions and row.request.session_key and self.cache is not None:
+            self._remember_cache(row, self._live_cache(i))
+
+    def _remember_cache(self, row: RequestDecoder, cache) -> None:
+        if self.generator.prefix_cache.sessions and row.request.session_key and cache is not None:
+            self.generator.remember(row, cache)
+
+    def _live_cache(self, i: int):
+        """Row i's keys and values, its live slots in order, as a cache of its own (None: no cache yet)."""
+        if self.cache is None:
+            return None
         live = self.kept[i].nonzero().squeeze(1)
         pairs = [(k[i : i + 1].index_select(2, live), v[i : i + 1].index_select(2, live))
                  for k, v in layer_tensors(self.cache)]
-        self.generator.remember(row, cache_like(self.cache, pairs, self.loaded.model.config))
+        return cache_like(self.cache, pairs, self.loaded.model.config)
 
     def _maybe_compact(self) -> None:
         """Gather each row's live slots, in order, to the right end of a shorter cache."""
@@ -260,6 +311,11 @@ class BatchedDecoder:
             pairs.append((torch.gather(keys, 2, index), torch.gather(values, 2, index)))
         self.cache = replace_layers(self.cache, pairs)
         self.counters.compactions += 1
+
+
+def _new_tokens(row: RequestDecoder) -> int:
+    """Tokens of the reply so far, those of a resumed log included."""
+    return len(row.context) - row.prompt_len
 
 
 def _left_pad(tensor: torch.Tensor | None, rows: int, length: int, template: torch.Tensor | None) -> torch.Tensor:
@@ -310,7 +366,7 @@ class BatchScheduler:
             pending.abandoned = True  # a row whose caller left is cancelled at the next step
 
     async def _run(self) -> None:
-        while self._waiting or self.decoder.rows:
+        while self._waiting or self.decoder.active:
             admit = self._waiting[: self.decoder.room]
             del self._waiting[: len(admit)]
             try:

@@ -65,6 +65,11 @@ class LlmOptions:
     # the choice and its reason are logged at load, and `LoadedModel.weights` says which runs.
     weights: str = "auto"
     max_batch_size: int = 8  # concurrent replies verified in one target pass (pipeline/llm/batch.py); 1: one at a time
+    # First phrases first (pipeline/llm/batch.py): while a reply in the batch has fewer tokens than
+    # urgent_tokens (its first phrase, which a listener waits for), replies with park_min_tokens or
+    # more sit the steps out. 0: every reply steps every time.
+    urgent_tokens: int = 10
+    park_min_tokens: int = 20
     prefix_cache_sessions: int = 8  # sessions whose KV cache is kept between turns (llm/prefix_cache.py); 0: off
     # What the latency budget cuts a late turn to (pipeline/llm/budget.py): "reply_capped", "draft_shortened".
     degraded_max_new_tokens: int = 40
