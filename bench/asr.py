@@ -108,7 +108,7 @@ def clip_row(voice: str, text: str, audio: np.ndarray, spoken_s: tuple[float, fl
     final_t, final = finals[-1]
     vad_end_s = final.utterance.speech_end_s
     preempt = [t for t, e in result.events if isinstance(e, PartialTranscript) and e.speech_ending
-               and not e.tentative and normalised_text(e.text) == normalised_text(final.text)]
+               and normalised_text(e.text) == normalised_text(final.text)]
     times = [t for t, e in result.events if isinstance(e, SpeechStarted | PartialTranscript)] + [final_t]
     gaps = [b - a for a, b in pairwise(times) if a <= speech_end_s]
     return row | {

@@ -97,7 +97,7 @@ class SpeechStarted:
 class Partial:
     utterance: int
     text: str
-    stable_ending: bool  # every word committed and silence begun: the final will likely match
+    stable_ending: bool  # silence begun: the pass the final reuses, so the final will likely match
 
 
 @dataclass(frozen=True)

@@ -287,8 +287,9 @@ class Conversation:
         elif kind == KIND.PARTIAL:
             await self.events.put(pb.ServerEvent(transcript=_transcript(event, final=False)))
             self.finals[event.utterance_index] = event
-            stable = (self.settings.preemptive_generation and event.speech_ending
-                      and not event.tentative_text.strip() and bool(event.committed_text.strip()))
+            # The pass at the first silence is the one the final reuses (asr_stream), so its words,
+            # committed or not, are the final's if the silence lasts: the reply may start from them.
+            stable = self.settings.preemptive_generation and event.speech_ending and bool(event.text.strip())
             await self.handle(Partial(event.utterance_index, event.text, stable))
         elif kind == KIND.FINAL:
             self.finals[event.utterance_index] = event

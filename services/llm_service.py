@@ -167,12 +167,13 @@ class LlmServicer(pb_grpc.LlmServicer):
             await writer.append(_entry_fields(DecodeStep(next_seq, (), "", "cancelled")))
             yield pb.ReplyStep(seq=next_seq, end=True, finish_reason="cancelled")
             return
+        # After the score of the session in progress: the plan reads the prefix cache the score fills.
+        await self._after_the_score(request.session_id)
         generation, degradations = await self._generation_request(request, session)
         if logged:
             generation = generation.resumed([t for e in logged for t in e.token_ids], next_seq)
             log.info("turn %s: resuming at seq %d after %d tokens", turn_id, next_seq, len(generation.resume_tokens))
         reply_text, reason = "".join(e.text for e in logged), None
-        await self._after_the_score(request.session_id)
         try:
             async for step in self._steps(generation, stop.is_set):
                 clock.emitted()
@@ -195,8 +196,9 @@ class LlmServicer(pb_grpc.LlmServicer):
 
     async def _after_the_score(self, session_id: str) -> None:
         """The gateway asks a turn's end-of-turn score and queues its reply at once; the reply's
-        prefill waits for a score of its session in progress, so that it reuses the conversation
-        the score prefilled instead of prefilling it beside it (the score is ~a prefill long)."""
+        plan and prefill wait for a score of its session in progress, so that the prefill reuses
+        the conversation the score prefilled, and the plan (which weighs the prefill against the
+        budget) sees it cached: while the score runs it holds the session's cached prefix."""
         if (scoring := self._scoring.get(session_id)) is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(scoring.wait(), SCORE_WAIT_S)

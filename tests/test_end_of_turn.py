@@ -169,6 +169,14 @@ async def test_a_reply_asked_beside_its_score_waits_for_it_and_reuses_its_prefil
             return await history(session_id)
 
         service.servicer.sessions.history = slow_history
+        cache = service.servicer.generator.prefix_cache
+        reusable, planned_while_scoring = cache.reusable, []
+
+        def watched(key, prompt):  # the reply's plan weighs its prefill by what is cached
+            planned_while_scoring.append(key in service.servicer._scoring)
+            return reusable(key, prompt)
+
+        cache.reusable = watched
         score = asyncio.ensure_future(stub.EndOfTurn(llm.EndOfTurnRequest(session_id=session, user_text=text)))
         await asyncio.sleep(0)  # the score's call goes out first, as the gateway's does
         steps = [s async for s in stub.Reply(llm.ReplyRequest(session_id=session, turn_id=turn, user_text=text,
@@ -177,6 +185,7 @@ async def test_a_reply_asked_beside_its_score_waits_for_it_and_reuses_its_prefil
     # A new session: nothing of it was cached before the score, which left all of the conversation
     # before the user's (lower-cased) words.
     assert steps[0].prefix_cached_tokens > 0 and scored.prompt_tokens > steps[0].prefix_cached_tokens
+    assert planned_while_scoring and not any(planned_while_scoring)  # the plan came after the score
     assert not service.servicer._scoring  # nothing left behind
 
 
