@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 WORD_SEPARATOR = " "
 FIRST_PIECE_FRAMES = 16  # a sentence's first piece: 0.19 s of audio (a frame is 256 samples at 22.05 kHz)
 PIECE_GROWTH = 8  # a later piece is at most this many times the audio before it (decoding runs at RTF < 1/8)
+# ... and at most this long (2 s): a piece is one call on the tts model thread, which cannot be cut
+# short, so it bounds how long another turn's first phrase waits there (a 10 s sentence decoded
+# whole took 575 ms on 2 idle cores, and under four sessions' load it held first phrases ~1 s).
+MAX_PIECE_FRAMES = 172
 LEVEL_REFERENCE = "Hello there, how can I help you today?"  # its peak sets the voice's gain
 LEVEL_PEAK = 0.9  # the reference sentence's peak after the gain (Piper's own: 1.0 for every sentence)
 DECODER_CONTEXT = 12  # the decoder's reach in latent frames: with this many either side, pieces join exactly
@@ -273,22 +277,18 @@ class _VoiceModel:
 
     def _decode(self, prior: np.ndarray, mask: np.ndarray, inputs: dict[str, np.ndarray],
                 out_frames: int) -> Iterator[np.ndarray]:
-        """Pieces of `PIECE_GROWTH` times the frames already out (at least `FIRST_PIECE_FRAMES`), with context.
-
-        A short first piece takes the flow over its own reach only; the rest takes it once, over all.
-        """
+        """Pieces of `PIECE_GROWTH` times the frames already out (at least `FIRST_PIECE_FRAMES`, at most
+        `MAX_PIECE_FRAMES`), each decoded with the decoder's context and its flow with the flow's."""
         assert self.flow is not None and self.decoder is not None and self.points is not None
-        frames, start, latent = prior.shape[-1], 0, None
+        frames, start = prior.shape[-1], 0
         while start < frames:
-            size = max(FIRST_PIECE_FRAMES, PIECE_GROWTH * (out_frames + start))
+            size = min(MAX_PIECE_FRAMES, max(FIRST_PIECE_FRAMES, PIECE_GROWTH * (out_frames + start)))
             end = frames if frames - (start + size) < FIRST_PIECE_FRAMES else start + size
             low, high = max(0, start - DECODER_CONTEXT), min(frames, end + DECODER_CONTEXT)
-            if start == 0 and end < frames:
-                head = min(frames, high + FLOW_CONTEXT)
-                frames_in = self._flow(prior[..., :head], mask[..., :head], inputs)
-            else:
-                latent = frames_in = latent if latent is not None else self._flow(prior, mask, inputs)
-            audio = _audio(self.decoder.run(None, {self.points.latent: frames_in[..., low:high]} | inputs)[0])
+            flow_low, flow_high = max(0, low - FLOW_CONTEXT), min(frames, high + FLOW_CONTEXT)
+            latent = self._flow(prior[..., flow_low:flow_high], mask[..., flow_low:flow_high], inputs)
+            latent = latent[..., low - flow_low : high - flow_low]
+            audio = _audio(self.decoder.run(None, {self.points.latent: latent} | inputs)[0])
             per_frame = audio.size // (high - low)
             yield audio[(start - low) * per_frame : (end - low) * per_frame]
             start = end
