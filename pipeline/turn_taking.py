@@ -338,7 +338,10 @@ class TurnTaking:
         phrases = [normalised_text(b.replace("-", " ")) for b in options.backchannels]
         self._backchannel_phrases = {p.replace(" ", "") for p in phrases if p}
         self._backchannel_words = {w for p in phrases for w in p.split()}
-        self._openers = {"".join(_words(o)) for o in options.openers} - {""}
+        # Each opener, and those of three words or more with one word left out: whisper tiny drops
+        # a short word at a pause ("I have a question," heard as "I a question.", then cut off).
+        self._openers = {"".join(words) for o in options.openers
+                         for words in _with_one_word_dropped(_words(o))} - {""}
 
     # -- queries the gateway asks --------------------------------------------------------
 
@@ -601,6 +604,11 @@ def _distinct_words(words: list[str]) -> int:
     """Whisper tends to repeat a short sound ("yeah yeah yeah yeah yeah" for one "Yeah.", "Mm-hmm.
     Mm-hm. Mm-m" for one "Mm-hmm."): the words count once each, and its hum spellings as one."""
     return len({"m" if MURMUR.fullmatch(w) else w for w in words})
+
+
+def _with_one_word_dropped(words: list[str]) -> list[list[str]]:
+    """`words`, and where they are three or more, each of them less one word."""
+    return [words, *([words[:i] + words[i + 1:] for i in range(len(words))] if len(words) >= 3 else [])]
 
 
 def _words(text: str) -> list[str]:
