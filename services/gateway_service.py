@@ -89,6 +89,7 @@ tts_pb, tts_grpc = load("tts")
 common = load_common()
 log = logging.getLogger(__name__)
 END = object()
+PREPARE_TIMEOUT_S = 5.0  # llm's prefill of a session's conversation at its start (a stream's close waits for it)
 TICK_S = 0.02  # timers of the turn-taking machine (held turns, playout, pauses) are this fine
 KIND = asr_pb.TranscriptEvent
 Config = pb.SessionConfig
@@ -213,6 +214,8 @@ class Conversation:
 
     async def run(self, client_messages: AsyncIterator) -> None:
         ticker = asyncio.create_task(self._tick())
+        if self.config.mode != Config.CAPTION:
+            self._in_background(self._prepare())
         try:
             call = self._asr_call = self.servicer.stubs.asr.Transcribe()
             forward = asyncio.create_task(self._forward_audio(client_messages, call))
@@ -508,6 +511,15 @@ class Conversation:
         if self.settings.turn_taking.end_of_turn_threshold <= 0:
             return  # silence alone decides: the machine confirms without a score
         work.tasks.append(asyncio.create_task(self._end_of_turn(work, action), context=work.span.context()))
+
+    async def _prepare(self) -> None:
+        """llm prefills the session's conversation while the user starts to speak (the first turn's
+        score would otherwise prefill the persona); a failure costs only that time."""
+        try:
+            await self.servicer.stubs.llm.Prepare(llm_pb.PrepareRequest(
+                session_id=self.session_id, system_prompt=self.config.system_prompt), timeout=PREPARE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            log.info("llm could not prepare session %s: %s", self.session_id, e.details())
 
     async def _end_of_turn(self, work: TurnWork, action: ScoreEndOfTurn) -> None:
         asked_ms = now_ms()

@@ -1,5 +1,5 @@
 """The llm stage: a queue worker taking turns from `sv:work:llm`, and the gRPC service (Reply,
-EndOfTurn, Capabilities). Either way a reply is written step by step to the turn's token log
+EndOfTurn, Prepare, Capabilities). Either way a reply is written step by step to the turn's token log
 (`sv:turn:{id}:tokens`), and a turn another worker left half done is resumed from that log.
 
 A reply keeps its session's KV cache for the next one (`llm.prefix_cache_sessions`), and a
@@ -218,19 +218,14 @@ class LlmServicer(pb_grpc.LlmServicer):
         done = self._scoring[request.session_id] = asyncio.Event()
         try:
             async with status_on_error(context, "llm"):
-                session = await self.sessions.require(request.session_id)
                 if not request.user_text.strip():
                     raise ValueError("user_text is empty")
-                persona = request.system_prompt or session.get("system_prompt") or DEFAULT_PERSONA
-                history = await self.sessions.history(request.session_id)
-                scorer = self._end_of_turn = self._end_of_turn or EndOfTurnScorer(
-                    self.loaded, **({"max_history_exchanges": 1_000, "max_history_tokens": self.loaded.context_tokens}
-                                    if self._scored_cache is not None else {}))
+                persona, history = await self._conversation(request)
 
                 def score():
                     self._check_fits(request.user_text, persona)
-                    return scorer.score(request.user_text, persona, history, prefix_cache=self._scored_cache,
-                                        session_key=request.session_id)
+                    return self._scorer().score(request.user_text, persona, history,
+                                                prefix_cache=self._scored_cache, session_key=request.session_id)
 
                 result = await self.worker.call(score, due_s=0.0)
                 return pb.EndOfTurnScore(probability=result.probability, prompt_tokens=result.prompt_tokens,
@@ -239,6 +234,35 @@ class LlmServicer(pb_grpc.LlmServicer):
             done.set()
             if self._scoring.get(request.session_id) is done:
                 del self._scoring[request.session_id]
+
+    async def Prepare(self, request, context: grpc.aio.ServicerContext):
+        """The session's conversation prefilled into the prefix cache (where it keeps sessions), so a
+        turn's score and reply prefill only the user's words; on the model thread, at its turn."""
+        async with status_on_error(context, "llm"):
+            persona, history = await self._conversation(request)
+            if self._scored_cache is None:
+                return pb.Prepared()
+
+            def prepare():
+                self._check_fits("", persona)
+                return self._scorer().prepare(persona, history, self._scored_cache, request.session_id)
+
+            result = await self.worker.call(prepare)
+            return pb.Prepared(prompt_tokens=result.prompt_tokens, compute_ms=result.compute_ms)
+
+    async def _conversation(self, request) -> tuple[str, tuple[Exchange, ...]]:
+        """The persona and history a score sees: the request's persona, else the session's, else the default."""
+        session = await self.sessions.require(request.session_id)
+        persona = request.system_prompt or session.get("system_prompt") or DEFAULT_PERSONA
+        return persona, await self.sessions.history(request.session_id)
+
+    def _scorer(self) -> EndOfTurnScorer:
+        """Built at the first use: with a prefix cache it reads all of the history that fits, as the reply does."""
+        if self._end_of_turn is None:
+            self._end_of_turn = EndOfTurnScorer(self.loaded, **(
+                {"max_history_exchanges": 1_000, "max_history_tokens": self.loaded.context_tokens}
+                if self._scored_cache is not None else {}))
+        return self._end_of_turn
 
     def _check_fits(self, user_text: str, persona: str) -> None:
         """PromptTooLongError where the text and persona alone overflow the model's context: one pass

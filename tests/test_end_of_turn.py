@@ -189,6 +189,37 @@ async def test_a_reply_asked_beside_its_score_waits_for_it_and_reuses_its_prefil
     assert not service.servicer._scoring  # nothing left behind
 
 
+async def test_prepare_prefills_the_conversation_so_the_first_score_reads_only_the_users_words(
+        redis_url, tiny_llm_dir):
+    """Prepare leaves the session's persona and history in the prefix cache up to where the user's
+    words go; the score after it equals a score without it; unknown sessions are NOT_FOUND."""
+    import grpc
+
+    from pipeline.llm.prompts import DEFAULT_PERSONA, Task, chat_messages, encode_chat
+    from services.protos import load
+
+    llm, _ = load("llm")
+    history = (Exchange("Hi.", "Hello! How can I help?"),)
+    async with llm_on_loopback(redis_url, LlmOptions(model=str(tiny_llm_dir), dtype="float64")) as service:
+        redis, stub = service.redis, service.stub
+        session = await redis.sessions.create("")
+        await redis.sessions.append(session, history[0])
+        prepared = await stub.Prepare(llm.PrepareRequest(session_id=session))
+        loaded, cache = service.servicer.loaded, service.servicer.generator.prefix_cache
+        text = "What is the capital of Spain?"
+        reply_prompt = encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, text, DEFAULT_PERSONA, history))
+        cached = cache.reusable(session, reply_prompt)
+        score = await stub.EndOfTurn(llm.EndOfTurnRequest(session_id=session, user_text=text))
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await stub.Prepare(llm.PrepareRequest(session_id="nope"))
+    user_tokens = len(loaded.tokenizer.encode(text, add_special_tokens=False))
+    assert prepared.prompt_tokens > 0 and prepared.compute_ms > 0
+    assert len(reply_prompt) - user_tokens - 8 <= cached <= len(reply_prompt) - user_tokens  # all but the words
+    expected = EndOfTurnScorer(loaded).score(text, DEFAULT_PERSONA, history)
+    assert score.probability == pytest.approx(expected.probability, rel=1e-5)
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 def test_a_score_on_the_sessions_prefix_cache_leaves_the_conversation_for_the_reply(scorer):
     """With the generator's prefix cache, the score prefills only the new words, and the reply
     that follows finds all of the conversation but the template's tail cached; the reply is the

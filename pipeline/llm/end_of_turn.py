@@ -136,6 +136,19 @@ class EndOfTurnScorer:
                 p += self._marks_probability(first, copy.deepcopy(cache) if prefix_cache is not None else cache)
         return EndOfTurnResult(min(p, 1.0), len(ids), (time.perf_counter() - started) * 1000)
 
+    def prepare(self, persona: str, history: tuple[Exchange, ...], prefix_cache: PrefixCache,
+                session_key: str) -> EndOfTurnResult:
+        """Prefill the conversation up to where the user's words go into `prefix_cache`, so that the
+        session's next score prefills only those words (a session's first score otherwise prefills
+        its persona too: ~210 ms against ~100 in the live benchmark). `probability` is 0."""
+        started = time.perf_counter()
+        ids = self.prompt_ids("", persona, history)
+        cache, reused = prefix_cache.take(session_key, ids)
+        with torch.inference_mode():
+            _, cache = self._forward(torch.tensor([ids[reused:]], device=self.loaded.device), cache)
+        prefix_cache.put(session_key, ids, cache)
+        return EndOfTurnResult(0.0, len(ids), (time.perf_counter() - started) * 1000)
+
     def prompt_ids(self, text: str, persona: str, history: tuple[Exchange, ...]) -> list[int]:
         """The conversation in the chat template, cut just before the user's end-of-turn token;
         the newest exchanges of `history` that fit the scorer's limits."""
