@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import torch
@@ -11,6 +14,18 @@ from pipeline.llm.end_of_turn import EndOfTurnScorer, normalise
 from pipeline.llm.model import LlmOptions, load_model
 from pipeline.llm.prompts import Exchange
 from tests.conftest import llm_on_loopback
+
+HI = Exchange("Hi.", "Hello! How can I help?")
+
+
+@contextlib.asynccontextmanager
+async def llm_with_a_session(redis_url: str, tiny_llm_dir, persona: str) -> AsyncIterator[tuple[Any, str]]:
+    """The llm service on loopback (the tiny model, float64) and a session of `persona` with one exchange, HI."""
+    async with llm_on_loopback(redis_url, LlmOptions(model=str(tiny_llm_dir), dtype="float64")) as service:
+        session = await service.redis.sessions.create(persona)
+        await service.redis.sessions.append(session, HI)
+        yield service, session
+
 
 # A sentence cut where a speaker might pause, and the same sentence complete. Written for this
 # test, not tuned to pass: the assertions ask for an ordering over most pairs, not values.
@@ -117,11 +132,9 @@ async def test_the_llm_service_scores_the_sessions_conversation_beside_a_reply(r
     from services.protos import load
 
     llm, _ = load("llm")
-    history = (Exchange("Hi.", "Hello! How can I help?"),)
-    async with llm_on_loopback(redis_url, LlmOptions(model=str(tiny_llm_dir), dtype="float64")) as service:
+    history = (HI,)
+    async with llm_with_a_session(redis_url, tiny_llm_dir, "Be brief.") as (service, session):
         redis, stub = service.redis, service.stub
-        session = await redis.sessions.create("Be brief.")
-        await redis.sessions.append(session, history[0])
         turn = await redis.turns.create(session)
         reply = stub.Reply(llm.ReplyRequest(session_id=session, turn_id=turn, user_text="Tell me a story.",
                                             max_new_tokens=24, defer_history=True))
@@ -155,10 +168,8 @@ async def test_a_reply_asked_beside_its_score_waits_for_it_and_reuses_its_prefil
     from services.protos import load
 
     llm, _ = load("llm")
-    async with llm_on_loopback(redis_url, LlmOptions(model=str(tiny_llm_dir), dtype="float64")) as service:
+    async with llm_with_a_session(redis_url, tiny_llm_dir, "Be brief.") as (service, session):
         redis, stub = service.redis, service.stub
-        session = await redis.sessions.create("Be brief.")
-        await redis.sessions.append(session, Exchange("Hi.", "Hello! How can I help?"))
         turn = await redis.turns.create(session)
         text = "What is the capital of Spain?"
         history, calls = service.servicer.sessions.history, []
@@ -199,11 +210,9 @@ async def test_prepare_prefills_the_conversation_so_the_first_score_reads_only_t
     from services.protos import load
 
     llm, _ = load("llm")
-    history = (Exchange("Hi.", "Hello! How can I help?"),)
-    async with llm_on_loopback(redis_url, LlmOptions(model=str(tiny_llm_dir), dtype="float64")) as service:
-        redis, stub = service.redis, service.stub
-        session = await redis.sessions.create("")
-        await redis.sessions.append(session, history[0])
+    history = (HI,)
+    async with llm_with_a_session(redis_url, tiny_llm_dir, "") as (service, session):
+        stub = service.stub
         prepared = await stub.Prepare(llm.PrepareRequest(session_id=session))
         loaded, cache = service.servicer.loaded, service.servicer.generator.prefix_cache
         text = "What is the capital of Spain?"

@@ -148,7 +148,8 @@ class BatchedDecoder:
         for row, cache in [p for p in self.parked if p[0].should_stop()]:
             self.parked.remove((row, cache))
             out.append((row, row.cancelled()))
-            self._remember_cache(row, cache)
+            if self._keeps_session(row) and cache is not None:
+                self.generator.remember(row, cache)
         return out
 
     @torch.inference_mode()
@@ -276,13 +277,12 @@ class BatchedDecoder:
 
     def _remember(self, i: int) -> None:
         """Hand row i's keys and values (its live slots, in order) to the generator's prefix cache."""
-        row = self.rows[i]
-        if self.generator.prefix_cache.sessions and row.request.session_key and self.cache is not None:
-            self._remember_cache(row, self._live_cache(i))
+        if self._keeps_session(self.rows[i]) and self.cache is not None:
+            self.generator.remember(self.rows[i], self._live_cache(i))
 
-    def _remember_cache(self, row: RequestDecoder, cache) -> None:
-        if self.generator.prefix_cache.sessions and row.request.session_key and cache is not None:
-            self.generator.remember(row, cache)
+    def _keeps_session(self, row: RequestDecoder) -> bool:
+        """The generator keeps this row's session in its prefix cache when the row leaves."""
+        return bool(self.generator.prefix_cache.sessions and row.request.session_key)
 
     def _live_cache(self, i: int):
         """Row i's keys and values, its live slots in order, as a cache of its own (None: no cache yet)."""

@@ -125,13 +125,10 @@ class EndOfTurnScorer:
         started = time.perf_counter()
         mode = normalisation or self.normalisation
         ids = self.prompt_ids(normalise(self._clean(user_text), mode), persona, history)
-        cache, reused = prefix_cache.take(session_key, ids) if prefix_cache is not None else (None, 0)
         with torch.inference_mode():
-            logits, cache = self._forward(torch.tensor([ids[reused:]], device=self.loaded.device), cache)
+            logits, cache = self._prefill(ids, prefix_cache, session_key)
             first = torch.log_softmax(logits[0], dim=-1)
             p = math.exp(float(first[self.end_id]))
-            if prefix_cache is not None:
-                prefix_cache.put(session_key, ids, cache)
             if mode.endswith("marks") and self.mark_ids:
                 p += self._marks_probability(first, copy.deepcopy(cache) if prefix_cache is not None else cache)
         return EndOfTurnResult(min(p, 1.0), len(ids), (time.perf_counter() - started) * 1000)
@@ -143,10 +140,8 @@ class EndOfTurnScorer:
         its persona too: ~210 ms against ~100 in the live benchmark). `probability` is 0."""
         started = time.perf_counter()
         ids = self.prompt_ids("", persona, history)
-        cache, reused = prefix_cache.take(session_key, ids)
         with torch.inference_mode():
-            _, cache = self._forward(torch.tensor([ids[reused:]], device=self.loaded.device), cache)
-        prefix_cache.put(session_key, ids, cache)
+            self._prefill(ids, prefix_cache, session_key)
         return EndOfTurnResult(0.0, len(ids), (time.perf_counter() - started) * 1000)
 
     def prompt_ids(self, text: str, persona: str, history: tuple[Exchange, ...]) -> list[int]:
@@ -166,6 +161,15 @@ class EndOfTurnScorer:
         ids = [int(i) for i in (encoded["input_ids"] if hasattr(encoded, "keys") else encoded)]
         last = len(ids) - 1 - ids[::-1].index(self.end_id)  # the user's message ends there
         return ids[:last]
+
+    def _prefill(self, ids: list[int], prefix_cache: PrefixCache | None, session_key: str) -> tuple[torch.Tensor, Any]:
+        """The last position's logits and the KV cache over `ids`; with `prefix_cache`, on the
+        session's cached prefix, and the cache over `ids` is left there for the session."""
+        cache, reused = prefix_cache.take(session_key, ids) if prefix_cache is not None else (None, 0)
+        logits, cache = self._forward(torch.tensor([ids[reused:]], device=self.loaded.device), cache)
+        if prefix_cache is not None:
+            prefix_cache.put(session_key, ids, cache)
+        return logits, cache
 
     def _marks_probability(self, first: torch.Tensor, cache: Any) -> float:
         """Σ_m P(m | text)·P(end | text + m): the marks as one batched one-token step on the prompt's cache."""
