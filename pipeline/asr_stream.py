@@ -221,6 +221,11 @@ class StreamingRecognizer:
     The VAD's voice events (`VoiceStarted`, `VoiceEnded`) come first, at the VAD check that
     finds them (every `vad_check_every_ms`), before speech has started.
 
+    `feed` is `listen` then `transcribe`. A service with several streams on one whisper thread
+    calls them apart: `listen` (the VAD, ~1 ms) on a thread of its own, and `transcribe` on the
+    model thread only when `transcription_due`, so that a voice onset, which pauses the
+    avatar, never waits behind another stream's whisper pass.
+
     A partial pass runs when `partial_every_ms` of new audio has arrived since the last one
     while the user speaks, and once when `final_reuse_margin_ms` of silence follows the
     speech. At end of speech the final reuses that last pass if it heard the whole utterance,
@@ -241,20 +246,46 @@ class StreamingRecognizer:
         self.prompt = ""  # whisper's prompt for the passes from now on (see Transcriber.transcribe)
         self._pass_index = -1  # utterance of the last pass
         self._pass_heard_s = 0.0
+        # What `listen` heard that `transcribe` has yet to give out, in stream order: events, and
+        # the utterances the VAD closed (each becomes its final there).
+        self._pending: list[AsrEvent | Utterance] = []
 
     def feed(self, samples: np.ndarray) -> list[AsrEvent]:
+        return self.listen(samples) + self.transcribe()
+
+    def listen(self, samples: np.ndarray) -> list[AsrEvent]:
+        """The VAD over new audio. The events it found that need no transcription and come before
+        any utterance it closed are returned now; the rest waits for `transcribe`."""
         was_active = self.segmenter.speech_active
         closed = self.segmenter.feed(samples)
         before, after = _voice_around(self.segmenter.voice_events, closed)
-        events: list[AsrEvent] = [*before]
         open_utterance = self.segmenter.open_utterance()
         self.cadence.speaking(id(self), open_utterance is not None)
+        heard_s = self.segmenter.stream_s
         if not was_active and closed:
-            events.append(SpeechStarted(closed[0].index, self.segmenter.stream_s))
-        events += [self._final(u) for u in closed]
-        events += after
+            self._pending.append(SpeechStarted(closed[0].index, heard_s))
+        self._pending += [*closed, *after]
         if open_utterance is not None and (closed or not was_active):  # a new utterance has begun
-            events.append(SpeechStarted(open_utterance.index, self.segmenter.stream_s))
+            self._pending.append(SpeechStarted(open_utterance.index, heard_s))
+        ready = list(takewhile(lambda e: not isinstance(e, Utterance), self._pending))
+        del self._pending[:len(ready)]
+        return [*before, *ready]  # type: ignore[list-item]
+
+    @property
+    def transcription_due(self) -> bool:
+        """Whether `transcribe` runs whisper: a closed utterance whose final cannot reuse the last
+        pass, or a partial pass due. Otherwise it is a few list operations."""
+        finals = (u for u in self._pending if isinstance(u, Utterance))
+        if any(not self._reuses_pass(u) for u in finals):
+            return True
+        open_utterance = self.segmenter.open_utterance()
+        return open_utterance is not None and self._pass_due(open_utterance)
+
+    def transcribe(self) -> list[AsrEvent]:
+        """The finals of the utterances `listen` closed, the events after them, and a partial pass
+        over the open utterance if one is due."""
+        events = self._pending_events()
+        open_utterance = self.segmenter.open_utterance()
         if open_utterance is not None and self._pass_due(open_utterance):
             events.append(self._partial(open_utterance))
         return events
@@ -263,11 +294,18 @@ class StreamingRecognizer:
         """The stream ended: the open utterance (if any) gets its final now; a voice that was not
         speech gets its VoiceEnded."""
         self.close()
+        pending = self._pending_events()
         was_active = self.segmenter.speech_active
         closed = self.segmenter.finish()
         before, after = _voice_around(self.segmenter.voice_events, closed)
         started = [SpeechStarted(closed[0].index, self.segmenter.stream_s)] if closed and not was_active else []
-        return [*before, *started, *(self._final(u) for u in closed), *after]
+        return [*pending, *before, *started, *(self._final(u) for u in closed), *after]
+
+    def _pending_events(self) -> list[AsrEvent]:
+        """What `listen` left for `transcribe`, the closed utterances made finals."""
+        events = [self._final(e) if isinstance(e, Utterance) else e for e in self._pending]
+        self._pending = []
+        return events
 
     def close(self) -> None:
         """This stream no longer takes a share of the cadence."""
@@ -311,8 +349,12 @@ class StreamingRecognizer:
             speech_ending=ending,
         )
 
+    def _reuses_pass(self, utterance: Utterance) -> bool:
+        """The last pass was over this utterance and heard the silence after it: its final reuses it."""
+        return self._pass_index == utterance.index and self._heard_margin(self._pass_heard_s, utterance)
+
     def _final(self, utterance: Utterance) -> FinalTranscript:
-        reuse = self._pass_index == utterance.index and self._heard_margin(self._pass_heard_s, utterance)
+        reuse = self._reuses_pass(utterance)
         words = None if reuse else self._spoken_words(utterance, ended=True)
         final = FinalTranscript(utterance, tuple(self.agreement.finish(words)), reused_partial=reuse)
         self._pass_index = -1

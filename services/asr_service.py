@@ -61,6 +61,9 @@ class AsrServicer(pb_grpc.AsrServicer):
         self.sessions = sessions
         self.transcriber = Transcriber(options)
         self.worker = ModelWorker("asr")
+        # The streams' VAD, apart from whisper: a voice onset (which pauses the avatar) is heard
+        # at its check, not after the whisper pass of another stream in progress.
+        self.listener = ModelWorker("asr-vad")
         self.cadence = SharedCadence()  # the partial passes of this thread's streams, shared out
 
     async def Transcribe(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator:
@@ -80,16 +83,22 @@ class AsrServicer(pb_grpc.AsrServicer):
                     audio, prompt, ended = await _take_all(chunks)
                     if prompt is not None:
                         recognizer.prompt = prompt
-                    for event in await self.worker.call(recognizer.feed, decoder.feed(audio)):
+                    for event in await self._hear(recognizer, decoder.feed(audio)):
                         yield _event(clock, event)
-                tail = decoder.finish()
-                events = await self.worker.call(recognizer.feed, tail)
+                events = await self._hear(recognizer, decoder.finish())
                 events += await self.worker.call(recognizer.finish)
                 for event in events:
                     yield _event(clock, event)
             finally:
                 reader.cancel()
                 recognizer.close()
+
+    async def _hear(self, recognizer: StreamingRecognizer, samples: np.ndarray) -> list[AsrEvent]:
+        """The VAD's events on the listener thread, then the passes due (if any) on the model thread."""
+        events = await self.listener.call(recognizer.listen, samples)
+        if recognizer.transcription_due:
+            return events + await self.worker.call(recognizer.transcribe)
+        return events + recognizer.transcribe()
 
 
 async def _read_audio(request_iterator, chunks: asyncio.Queue, clock: StageClock) -> None:

@@ -357,3 +357,38 @@ def test_voice_events_map_onto_the_asr_protos_shared_types():
     final = _event(clock, FinalTranscript(utterance, tuple(words("hello there", 1.3)), reused_partial=False))
     assert isinstance(final.words[0], common.Word) and isinstance(final.times, common.StageTimes)
     assert final.times.first_out_unix_ms > 0 and final.text == "hello there"
+
+
+class CountedTranscriber(Transcriber):
+    """The real transcriber, counting its passes."""
+
+    passes = 0
+
+    def transcribe(self, *args, **kwargs):
+        self.passes += 1
+        return super().transcribe(*args, **kwargs)
+
+
+def test_listen_hears_the_voice_without_whisper_and_transcribe_gives_what_feed_would(speech, transcriber):
+    """The asr service runs `listen` (the VAD) off the model thread and `transcribe` on it only
+    when a pass is due: the events are feed's, in feed's order, and no pass ran in `listen`."""
+    gap = np.zeros(SAMPLE_RATE_HZ // 2, np.float32)
+    audio = np.concatenate([gap, speech("Good morning to you."), gap, speech("Thank you very much."), gap])
+    counted = CountedTranscriber(AsrOptions())
+    recognizer = StreamingRecognizer(AsrOptions(), counted)
+    step = SAMPLE_RATE_HZ // 20
+    events, onset_passes = [], None
+    for i in range(0, audio.size, step):
+        before = counted.passes
+        heard = recognizer.listen(audio[i : i + step])
+        assert counted.passes == before  # the VAD alone
+        if onset_passes is None and any(isinstance(e, VoiceStarted) for e in heard):
+            onset_passes = counted.passes  # the voice onset came out before any transcription
+        due = recognizer.transcription_due
+        events += heard + recognizer.transcribe()
+        assert (counted.passes > before) == due
+    events += recognizer.finish()
+    assert onset_passes == 0
+    fed = stream(StreamingRecognizer(AsrOptions(), transcriber), audio, chunk_s=0.05)
+    assert list(map(repr, events)) == list(map(repr, fed))  # an Utterance's audio is left out of its repr
+    assert [normalised_text(f.text) for f in finals(events)] == ["good morning to you", "thank you very much"]
