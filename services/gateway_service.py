@@ -207,6 +207,8 @@ class Conversation:
         self._asr_writes = asyncio.Lock()  # a gRPC stream takes one write at a time: audio, contexts
         self._expecting_backchannels = False
         self._context_writes: set[asyncio.Task] = set()
+        self._words_to_prepare: str | None = None  # the newest partial's words, for the llm to prefill
+        self._preparing_words = False
         metrics.track_conversation(self)
 
     def now_s(self) -> float:
@@ -290,6 +292,8 @@ class Conversation:
         elif kind == KIND.PARTIAL:
             await self.events.put(pb.ServerEvent(transcript=_transcript(event, final=False)))
             self.finals[event.utterance_index] = event
+            if self.config.mode != Config.CAPTION and not event.speech_ending and event.text.strip():
+                self._prepare_words(event.text)
             # The pass at the first silence is the one the final reuses (asr_stream), so its words,
             # committed or not, are the final's if the silence lasts: the reply may start from them.
             stable = self.settings.preemptive_generation and event.speech_ending and bool(event.text.strip())
@@ -512,14 +516,32 @@ class Conversation:
             return  # silence alone decides: the machine confirms without a score
         work.tasks.append(asyncio.create_task(self._end_of_turn(work, action), context=work.span.context()))
 
-    async def _prepare(self) -> None:
+    async def _prepare(self, user_text: str = "") -> None:
         """llm prefills the session's conversation while the user starts to speak (the first turn's
-        score would otherwise prefill the persona); a failure costs only that time."""
+        score would otherwise prefill the persona), and the words heard so far while they speak (the
+        turn's score and reply then prefill only the words said since); a failure costs only that time."""
         try:
             await self.servicer.stubs.llm.Prepare(llm_pb.PrepareRequest(
-                session_id=self.session_id, system_prompt=self.config.system_prompt), timeout=PREPARE_TIMEOUT_S)
+                session_id=self.session_id, system_prompt=self.config.system_prompt, user_text=user_text),
+                timeout=PREPARE_TIMEOUT_S)
         except grpc.aio.AioRpcError as e:
             log.info("llm could not prepare session %s: %s", self.session_id, e.details())
+
+    def _prepare_words(self, text: str) -> None:
+        """Ask llm to prefill a partial's words: one call at a time, the newest words next (a partial
+        comes every ~200 ms; those overtaken by a newer one are never sent)."""
+        self._words_to_prepare = text
+        if not self._preparing_words:
+            self._preparing_words = True
+            self._in_background(self._prepare_newest_words())
+
+    async def _prepare_newest_words(self) -> None:
+        try:
+            while (text := self._words_to_prepare) is not None:
+                self._words_to_prepare = None
+                await self._prepare(text)
+        finally:
+            self._preparing_words = False
 
     async def _end_of_turn(self, work: TurnWork, action: ScoreEndOfTurn) -> None:
         asked_ms = now_ms()

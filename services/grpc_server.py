@@ -251,6 +251,11 @@ class ModelWorker:
         self._waiting: list[tuple[float, int, asyncio.Future]] = []
         self._arrivals = itertools.count()
 
+    @property
+    def busy(self) -> bool:
+        """A call is running (others may be waiting)."""
+        return self._busy
+
     async def call(self, fn: Callable[..., T], *args: Any, due_s: float | None = None) -> T:
         await self._take_turn(time.time() if due_s is None else due_s)
         try:

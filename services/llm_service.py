@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -60,6 +61,7 @@ common = load_common()
 TASKS = {pb.ReplyRequest.CAPTION: Task.CAPTION}
 FINISHED = ("eos", "length", "stop")  # a reply that ended so was written whole
 SCORE_WAIT_S = 1.0  # a reply waits this long at most for its session's end-of-turn score in progress
+PREPARE_YIELD_S = 1.0  # a Prepare of the user's words goes after work due up to this much later
 
 
 class LlmServicer(pb_grpc.LlmServicer):
@@ -229,7 +231,7 @@ class LlmServicer(pb_grpc.LlmServicer):
 
                 result = await self.worker.call(score, due_s=0.0)
                 return pb.EndOfTurnScore(probability=result.probability, prompt_tokens=result.prompt_tokens,
-                                         compute_ms=result.compute_ms)
+                                         compute_ms=result.compute_ms, cached_tokens=result.cached_tokens)
         finally:
             done.set()
             if self._scoring.get(request.session_id) is done:
@@ -237,18 +239,31 @@ class LlmServicer(pb_grpc.LlmServicer):
 
     async def Prepare(self, request, context: grpc.aio.ServicerContext):
         """The session's conversation prefilled into the prefix cache (where it keeps sessions), so a
-        turn's score and reply prefill only the user's words; on the model thread, at its turn."""
+        turn's score and reply prefill only the user's words; on the model thread, at its turn.
+
+        With `user_text` (the words so far while the user speaks) those words too, but only while
+        no reply is decoding: this is time the model thread has spare, and a reply's next step
+        must not wait behind it."""
         async with status_on_error(context, "llm"):
             persona, history = await self._conversation(request)
             if self._scored_cache is None:
                 return pb.Prepared()
+            text = request.user_text
+            if text and self._decoding():
+                return pb.Prepared(skipped=True)
 
             def prepare():
-                self._check_fits("", persona)
-                return self._scorer().prepare(persona, history, self._scored_cache, request.session_id)
+                self._check_fits(text, persona)
+                return self._scorer().prepare(persona, history, self._scored_cache, request.session_id, text)
 
-            result = await self.worker.call(prepare)
-            return pb.Prepared(prompt_tokens=result.prompt_tokens, compute_ms=result.compute_ms)
+            # the words' prefill after anything else waiting for the thread (the conversation's, at once)
+            result = await self.worker.call(prepare, due_s=time.time() + PREPARE_YIELD_S if text else None)
+            return pb.Prepared(prompt_tokens=result.prompt_tokens, compute_ms=result.compute_ms,
+                               skipped=bool(text) and not result.words)
+
+    def _decoding(self) -> bool:
+        """Replies are decoding, or waiting to."""
+        return self.scheduler.busy if self.scheduler is not None else self.worker.busy
 
     async def _conversation(self, request) -> tuple[str, tuple[Exchange, ...]]:
         """The persona and history a score sees: the request's persona, else the session's, else the default."""

@@ -218,14 +218,20 @@ async def test_prepare_prefills_the_conversation_so_the_first_score_reads_only_t
         text = "What is the capital of Spain?"
         reply_prompt = encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, text, DEFAULT_PERSONA, history))
         cached = cache.reusable(session, reply_prompt)
+        heard = await stub.Prepare(llm.PrepareRequest(session_id=session, user_text="What is the capital"))
+        cached_with_words = cache.reusable(session, reply_prompt)
         score = await stub.EndOfTurn(llm.EndOfTurnRequest(session_id=session, user_text=text))
         with pytest.raises(grpc.aio.AioRpcError) as unknown:
             await stub.Prepare(llm.PrepareRequest(session_id="nope"))
     user_tokens = len(loaded.tokenizer.encode(text, add_special_tokens=False))
     assert prepared.prompt_tokens > 0 and prepared.compute_ms > 0
     assert len(reply_prompt) - user_tokens - 8 <= cached <= len(reply_prompt) - user_tokens  # all but the words
+    # the words heard while the user spoke: for the reply as written, for the score lower-cased
+    assert not heard.skipped and heard.prompt_tokens == cached_with_words
+    assert cached_with_words == cached + len(loaded.tokenizer.encode("What is the capital", add_special_tokens=False))
+    assert score.cached_tokens >= score.prompt_tokens - 4  # " of spain", and the last token again
     expected = EndOfTurnScorer(loaded).score(text, DEFAULT_PERSONA, history)
-    assert score.probability == pytest.approx(expected.probability, rel=1e-5)
+    assert score.probability == pytest.approx(expected.probability, rel=1e-3)
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
 
 
@@ -254,3 +260,62 @@ def test_a_score_on_the_sessions_prefix_cache_leaves_the_conversation_for_the_re
     with_cache = [t for step in cached_generator.steps(request) for t in step.token_ids]
     without = [t for step in Generator(loaded).steps(GenerationRequest(prompt, 12, "none")) for t in step.token_ids]
     assert with_cache == without
+
+
+def test_words_prepared_while_the_user_speaks_leave_the_score_and_the_reply_only_the_last_ones(scorer):
+    """`prepare` with the words heard so far prefills them as the score reads them and as the reply's
+    prompt has them: at the end of the turn the score prefills only the words said since, and
+    scores what it would have without; the reply finds all but the last words and the tail
+    cached, and decodes what it would have without."""
+    from pipeline.llm.engine import GenerationRequest, Generator
+    from pipeline.llm.prompts import DEFAULT_PERSONA, Task, chat_messages, encode_chat
+
+    loaded = scorer.loaded
+    history = (HI,)
+    heard, text = "What is the capital", "What is the capital of Spain?"
+    generator = Generator(loaded, prefix_cache_sessions=4)
+    cache = generator.prefix_cache
+    scorer.prepare(DEFAULT_PERSONA, history, cache, "s")  # at the stream's start
+    assert scorer.prepare(DEFAULT_PERSONA, history, cache, "s", user_text="What is").words  # partials
+    assert scorer.prepare(DEFAULT_PERSONA, history, cache, "s", user_text=heard).words
+    scored = scorer.score(text, DEFAULT_PERSONA, history, prefix_cache=cache, session_key="s")
+    plain = scorer.score(text, DEFAULT_PERSONA, history)
+    assert scored.probability == pytest.approx(plain.probability, rel=1e-3)
+    said_since = len(loaded.tokenizer.encode(" of spain", add_special_tokens=False))
+    assert scored.cached_tokens >= scored.prompt_tokens - said_since - 1
+    prompt = tuple(encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, text, DEFAULT_PERSONA, history)))
+    heard_prefix = scorer.prompt_ids(heard, DEFAULT_PERSONA, history)
+    assert cache.reusable("s", prompt) >= len(heard_prefix) - 1  # the reply's words as written
+    request = GenerationRequest(prompt, 12, "none", session_key="s")
+    with_cache = [t for step in generator.steps(request) for t in step.token_ids]
+    without = [t for step in Generator(loaded).steps(GenerationRequest(prompt, 12, "none")) for t in step.token_ids]
+    assert with_cache == without
+    # The reply is cached now but not yet in the history (it is still playing): the next words wait.
+    held = cache.reusable("s", (*prompt, *with_cache, 0))
+    assert held >= len(prompt) + len(with_cache) - 1
+    assert not scorer.prepare(DEFAULT_PERSONA, history, cache, "s", user_text="And France").words
+    assert cache.reusable("s", (*prompt, *with_cache, 0)) == held
+
+
+async def test_the_users_words_are_not_prepared_while_a_reply_decodes(redis_url, tiny_llm_dir):
+    """Prefilling words heard so far is spare-time work: with a reply decoding it is skipped."""
+    import asyncio
+
+    from services.protos import load
+
+    llm, _ = load("llm")
+    async with llm_with_a_session(redis_url, tiny_llm_dir, "Be brief.") as (service, session):
+        stub = service.stub
+        turn = await service.redis.turns.create(session)
+        reply = stub.Reply(llm.ReplyRequest(session_id=session, turn_id=turn, user_text="Tell me a long story.",
+                                            max_new_tokens=400, defer_history=True))
+        other = await service.redis.sessions.create("Be brief.")  # another user, speaking meanwhile
+        first = await reply.read()
+        during = await stub.Prepare(llm.PrepareRequest(session_id=other, user_text="And then"))
+        reply.cancel()
+        assert service.servicer.scheduler is not None
+        while service.servicer.scheduler.busy:  # the cancelled row leaves at its next step
+            await asyncio.sleep(0.01)
+        after = await stub.Prepare(llm.PrepareRequest(session_id=other, user_text="And then"))
+    assert first.seq == 0 and during.skipped and during.prompt_tokens == 0
+    assert not after.skipped and after.prompt_tokens > 0

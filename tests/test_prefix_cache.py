@@ -22,7 +22,7 @@ from pipeline.llm.batch import BatchedDecoder, BatchScheduler, _Pending
 from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator
 from pipeline.llm.kv_cache import KVCache
 from pipeline.llm.model import LlmOptions, load_model
-from pipeline.llm.prefix_cache import PrefixCache, common_prefix
+from pipeline.llm.prefix_cache import PrefixCache, common_prefix, variant_key
 from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, chat_messages, encode_chat
 from services.grpc_server import ModelWorker
 from services.protos import load
@@ -201,6 +201,26 @@ def test_a_taken_cache_is_rolled_back_to_the_common_prefix(kind):
     with pytest.raises(ValueError, match="positions"):
         store.put("s", [1, 2], taken)
     PrefixCache(sessions=0).put("s", list(range(4)), taken)  # off: keeps nothing, no error
+
+
+def test_a_variant_starts_from_a_copy_of_its_sessions_prefix_and_leaves_with_the_session():
+    """The end-of-turn score keeps the user's words lower-cased beside the reply's as written: it
+    starts from the reply's prefix where that shares more, without taking it from the reply."""
+    keys = torch.randn(1, 2, 10, 4)
+    store = PrefixCache(sessions=1)
+    store.put("s", list(range(10)), KVCache.from_tensors([(keys, keys + 1)]))
+    scored = variant_key("s", "score")
+    taken, kept = store.take(scored, [0, 1, 2, 3, 4, 7, 7], fallback="s")
+    assert kept == 5 and torch.equal(taken.layers[0].keys, keys[:, :, :5])
+    assert store.reusable("s", list(range(10))) == 9  # the session's own prefix is still whole
+    store.put(scored, [0, 1, 2, 3, 4], taken)
+    # the variant's own entry, where the session's shares no more
+    again, kept = store.take(scored, [0, 1, 2, 3, 4, 8, 8], fallback="s")
+    assert kept == 5 and again is taken
+    store.put(scored, [0, 1, 2, 3, 4], again)
+    assert len(store) == 2  # one session, two prefixes: within the bound of one session
+    store.put("t", [1, 2, 3], KVCache.from_tensors([(keys[:, :, :3], keys[:, :, :3])]))
+    assert "s" not in store and scored not in store and "t" in store  # the session went whole
 
 
 async def test_the_service_reports_the_cached_prefix_of_a_sessions_second_reply(redis_url, tiny_llm_dir):

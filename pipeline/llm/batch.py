@@ -348,6 +348,11 @@ class BatchScheduler:
         self._queues: dict[object, asyncio.Queue] = {}  # row (or a failed _Pending) -> its caller's queue
         self._loop_task: asyncio.Task | None = None
 
+    @property
+    def busy(self) -> bool:
+        """Requests are decoding or waiting to join."""
+        return bool(self._waiting) or self.decoder.active
+
     async def steps(self, request: GenerationRequest,
                     should_stop: Callable[[], bool] = lambda: False) -> AsyncIterator[DecodeStep]:
         pending = _Pending(request, should_stop, asyncio.Queue())

@@ -27,8 +27,9 @@ voices; docs/benchmarks.md):
 - the default, `lower-marks`, is `marks` on LiveKit's normalisation (lower case, no
   punctuation): in three runs of the benchmark it cut off no turn at an in-sentence pause at
   0.01 where `marks` cut off one at 0.03, with fewer late ends (28 against 30 of 60 in the
-  last) and a higher AUC (0.86 against 0.82). The reply's prompt keeps the user's case, so it
-  shares the score's prefill up to the user's text only (~10-20 tokens more to prefill).
+  last) and a higher AUC (0.86 against 0.82). The reply's prompt keeps the user's case, so the
+  two prefill the user's words apart; `prepare` does both while the user is still speaking
+  (the gateway sends the words heard so far), and each keeps its own prefix.
 - `raw` (the text as written), `strip` (trailing punctuation removed, one pass), `lower`
   (LiveKit's normalisation, one pass) and `unpunct-marks` (all punctuation removed, the
   case kept) are there for the benchmark.
@@ -43,13 +44,14 @@ import copy
 import math
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pipeline.llm.model import LoadedModel
-from pipeline.llm.prefix_cache import PrefixCache
+from pipeline.llm.prefix_cache import PrefixCache, common_prefix, variant_key
 from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, chat_messages
 
 END_OF_TURN_TOKEN = "<|im_end|>"  # ChatML's end of a message (SmolLM2, Qwen, ...)
@@ -75,6 +77,14 @@ class EndOfTurnResult:
     probability: float  # that the user's message ends after the text scored
     prompt_tokens: int  # tokens of the pass over the conversation
     compute_ms: float  # wall time of the tokenization and the model passes
+    cached_tokens: int = 0  # of prompt_tokens, found in the prefix cache (not prefilled)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    prompt_tokens: int  # the conversation's tokens cached now, the user's words among them if `words`; 0: none
+    words: bool  # the user's words were prefilled (not where that would have dropped cached conversation)
+    compute_ms: float
 
 
 def normalise(text: str, normalisation: str = DEFAULT_NORMALISATION) -> str:
@@ -119,30 +129,55 @@ class EndOfTurnScorer:
               normalisation: str | None = None, prefix_cache: PrefixCache | None = None,
               session_key: str = "") -> EndOfTurnResult:
         """`prefix_cache`: the generator's cache of the session's conversation. The score then
-        prefills only the user's new words on it and leaves the conversation up to them there, so
-        the reply that follows (its prompt is this one plus the template's tail) prefills a few
-        tokens: the score costs about what the reply's own prefill would have."""
+        prefills only the user's words (those `prepare` has not) on a copy of it, and keeps them
+        under `score_key(session_key)`; a session with no conversation cached gets it first, so
+        that the reply that follows prefills only the user's words too."""
         started = time.perf_counter()
         mode = normalisation or self.normalisation
         ids = self.prompt_ids(normalise(self._clean(user_text), mode), persona, history)
+        if prefix_cache is not None and session_key not in prefix_cache:
+            self.prepare(persona, history, prefix_cache, session_key)
         with torch.inference_mode():
-            logits, cache = self._prefill(ids, prefix_cache, session_key)
+            logits, cache, cached = self._prefill(ids, prefix_cache, score_key(session_key), fallback=session_key)
             first = torch.log_softmax(logits[0], dim=-1)
             p = math.exp(float(first[self.end_id]))
             if mode.endswith("marks") and self.mark_ids:
                 p += self._marks_probability(first, copy.deepcopy(cache) if prefix_cache is not None else cache)
-        return EndOfTurnResult(min(p, 1.0), len(ids), (time.perf_counter() - started) * 1000)
+        return EndOfTurnResult(min(p, 1.0), len(ids), (time.perf_counter() - started) * 1000, cached)
 
     def prepare(self, persona: str, history: tuple[Exchange, ...], prefix_cache: PrefixCache,
-                session_key: str) -> EndOfTurnResult:
+                session_key: str, user_text: str = "") -> Prepared:
         """Prefill the conversation up to where the user's words go into `prefix_cache`, so that the
         session's next score prefills only those words (a session's first score otherwise prefills
-        its persona too: ~210 ms against ~100 in the live benchmark). `probability` is 0."""
+        its persona too: ~210 ms against ~100 in the live benchmark).
+
+        `user_text`: the words heard so far while the user speaks. They are prefilled too, twice:
+        as the reply's prompt has them (under `session_key`) and as the score reads them (under
+        `score_key(session_key)`), so that when the turn ends the score and the reply prefill
+        only the words said since (the prefix cache keeps what a later text shares). Not where
+        that would drop cached conversation: the cache can hold a reply that `history` does not
+        have yet (the user speaks while it plays, and the gateway records what was heard later)."""
         started = time.perf_counter()
-        ids = self.prompt_ids("", persona, history)
+        text = self._clean(user_text)
+        conversation = self.prompt_ids("", persona, history)
+        if not text.strip():
+            with torch.inference_mode():
+                self._prefill(conversation, prefix_cache, session_key)
+            return Prepared(len(conversation), False, (time.perf_counter() - started) * 1000)
+        if self._ahead_of(conversation, prefix_cache.tokens(session_key)):
+            return Prepared(0, False, (time.perf_counter() - started) * 1000)
+        ids = self.prompt_ids(text, persona, history)
+        scored = self.prompt_ids(normalise(text, self.normalisation), persona, history)
         with torch.inference_mode():
             self._prefill(ids, prefix_cache, session_key)
-        return EndOfTurnResult(0.0, len(ids), (time.perf_counter() - started) * 1000)
+            self._prefill(scored, prefix_cache, score_key(session_key), fallback=session_key)
+        return Prepared(len(ids), True, (time.perf_counter() - started) * 1000)
+
+    def _ahead_of(self, conversation: list[int], cached: Sequence[int]) -> bool:
+        """Whether `cached` holds conversation that `conversation` lacks: it differs inside it, or
+        has a whole message after it (where only the user's unfinished words may be)."""
+        shared = common_prefix(cached, conversation)
+        return shared < min(len(cached), len(conversation)) or self.end_id in cached[len(conversation):]
 
     def prompt_ids(self, text: str, persona: str, history: tuple[Exchange, ...]) -> list[int]:
         """The conversation in the chat template, cut just before the user's end-of-turn token;
@@ -162,14 +197,16 @@ class EndOfTurnScorer:
         last = len(ids) - 1 - ids[::-1].index(self.end_id)  # the user's message ends there
         return ids[:last]
 
-    def _prefill(self, ids: list[int], prefix_cache: PrefixCache | None, session_key: str) -> tuple[torch.Tensor, Any]:
-        """The last position's logits and the KV cache over `ids`; with `prefix_cache`, on the
-        session's cached prefix, and the cache over `ids` is left there for the session."""
-        cache, reused = prefix_cache.take(session_key, ids) if prefix_cache is not None else (None, 0)
+    def _prefill(self, ids: list[int], prefix_cache: PrefixCache | None, key: str,
+                 fallback: str = "") -> tuple[torch.Tensor, Any, int]:
+        """The last position's logits, the KV cache over `ids` and how much of it was cached; with
+        `prefix_cache`, on the prefix cached for `key` (or a copy of `fallback`'s where it shares
+        more), and the cache over `ids` is left there for `key`."""
+        cache, reused = prefix_cache.take(key, ids, fallback) if prefix_cache is not None else (None, 0)
         logits, cache = self._forward(torch.tensor([ids[reused:]], device=self.loaded.device), cache)
         if prefix_cache is not None:
-            prefix_cache.put(session_key, ids, cache)
-        return logits, cache
+            prefix_cache.put(key, ids, cache)
+        return logits, cache, reused
 
     def _marks_probability(self, first: torch.Tensor, cache: Any) -> float:
         """Σ_m P(m | text)·P(end | text + m): the marks as one batched one-token step on the prompt's cache."""
@@ -191,6 +228,12 @@ class EndOfTurnScorer:
         for special in self._specials:
             text = text.replace(special, " ")
         return text
+
+
+def score_key(session_key: str) -> str:
+    """Where the score keeps its prefix: the user's words as it reads them (`lower-marks`: lower
+    case) differ from the reply's, so each keeps its own beside the other."""
+    return variant_key(session_key, "end-of-turn")
 
 
 def _single_token(tokenizer: Any, text: str) -> int | None:

@@ -20,6 +20,11 @@ uncached reply wherever that rounding does not decide a token: in float32 it has
 the tests; in 16-bit configurations rounding of that size can. `llm.prefix_cache_sessions=0`
 makes every reply a function of its prompt alone.
 
+A session may keep more than one prefix: a key `variant_key(session, name)` is that session's
+too (the end-of-turn score keeps the user's words lower-cased beside the reply's as written).
+`take(key, prompt, fallback=...)` starts from a copy of the session's other prefix where it
+shares more, and the bound counts sessions: one dropped drops all of its prefixes.
+
 Memory: a cached token costs 2 · layers · kv_heads · head_dim values (46 KB for the bundled
 target in float32: 1,000 tokens ≈ 46 MB, plus a `KVCache`'s spare slots, under
 `kv_cache.CHUNK_TOKENS`), so the sessions kept are bounded, least recently
@@ -28,6 +33,7 @@ used dropped. `take` and `put` run on the model's thread; `reusable` only reads,
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,6 +46,18 @@ from pipeline.llm.model import rollback
 class CachedPrefix:
     tokens: tuple[int, ...]  # what the cache holds, position by position
     cache: Any  # KVCache or DynamicCache holding len(tokens) positions, one row
+
+
+VARIANT_SEPARATOR = "\x00"
+
+
+def variant_key(session_key: str, name: str) -> str:
+    """The key of another prefix of `session_key`'s, kept and dropped with the session."""
+    return f"{session_key}{VARIANT_SEPARATOR}{name}"
+
+
+def _session_of(key: str) -> str:
+    return key.split(VARIANT_SEPARATOR, 1)[0]
 
 
 class PrefixCache:
@@ -62,18 +80,25 @@ class PrefixCache:
         entry = self._entries.get(key) if key else None
         return 0 if entry is None else _reusable(entry.tokens, prompt)
 
-    def take(self, key: str, prompt: Sequence[int]) -> tuple[Any, int]:
+    def tokens(self, key: str) -> tuple[int, ...]:
+        """What is cached for `key` (a read: safe from another thread)."""
+        entry = self._entries.get(key) if key else None
+        return () if entry is None else entry.tokens
+
+    def take(self, key: str, prompt: Sequence[int], fallback: str = "") -> tuple[Any, int]:
         """(the cache rolled back to the common prefix, its length), or (None, 0).
 
         The entry leaves the store: the request owns the cache now and `put`s back its own.
         At most len(prompt) − 1 tokens are reused: the prompt's last token is the first
         verification pass's input (the engine's invariant: the cache holds all but the last).
+        `fallback`: another key whose entry is copied (and left in the store) where it shares more.
         """
         entry = self._entries.pop(key, None) if key else None
-        if entry is None:
-            return None, 0
-        keep = _reusable(entry.tokens, prompt)
-        if keep == 0:
+        keep = 0 if entry is None else _reusable(entry.tokens, prompt)
+        other = self._entries.get(fallback) if fallback else None
+        if other is not None and (shared := _reusable(other.tokens, prompt)) > keep:
+            entry, keep = CachedPrefix(other.tokens, copy.deepcopy(other.cache)), shared
+        if entry is None or keep == 0:
             return None, 0
         rollback(entry.cache, keep)
         return entry.cache, keep
@@ -87,8 +112,10 @@ class PrefixCache:
             raise ValueError(f"a cache of {held} positions cannot stand for {len(tokens)} tokens")
         self._entries.pop(key, None)
         self._entries[key] = CachedPrefix(tuple(tokens), cache)
-        while len(self._entries) > self.sessions:
-            self._entries.popitem(last=False)
+        while len({_session_of(k) for k in self._entries}) > self.sessions:
+            oldest = _session_of(next(iter(self._entries)))
+            for k in [k for k in self._entries if _session_of(k) == oldest]:
+                del self._entries[k]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
