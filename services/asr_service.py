@@ -20,6 +20,7 @@ from pipeline.asr_stream import (
     join_words,
 )
 from pipeline.audio import AudioStreamReader, PcmFormat, PcmStreamDecoder
+from services import logs
 from services.grpc_server import ModelWorker, Service, StageClock, service_main, status_on_error
 from services.protos import load, load_common
 from services.redis_store import SessionStore, now_ms
@@ -70,6 +71,7 @@ class AsrServicer(pb_grpc.AsrServicer):
         clock = StageClock("asr")
         async with status_on_error(context, "asr"):
             config = await _first_config(request_iterator)
+            logs.bind(session_id=config.session_id)
             await self.sessions.require(config.session_id)
             decoder = WireAudioDecoder(config.format)
             language = self.transcriber.check_language(config.language) if config.language else None

@@ -201,6 +201,11 @@ async def test_reply_tokens(gateway):
     async with open_channel(gateway, secret=KEYS["tokens"]) as channel:
         session = await gw_grpc.GatewayStub(channel).CreateSession(gw.CreateSessionRequest(), timeout=30)
     assert session.config.max_reply_tokens == 48  # the default, capped
+    other = another()  # another tenant meanwhile: under the cap, asked for, given
+    async with open_channel(gateway, secret=KEYS[other]) as channel:
+        session = await gw_grpc.GatewayStub(channel).CreateSession(
+            gw.CreateSessionRequest(config=gw.SessionConfig(max_reply_tokens=20)), timeout=30)
+    assert session.config.max_reply_tokens == 20
 
 
 async def _converse(gateway: str, tenant: str, session_id: str, texts: list[str], speech):
@@ -229,6 +234,9 @@ async def test_utterance_length(gateway, speech):
     details = await refused(_converse(gateway, "speech", await create(gateway, "speech"), [long], speech),
                             "max_utterance_s")
     assert "limits.max_utterance_s" in details
+    # a short one from the same tenant, in a new session, is answered: the limit is per utterance
+    turns = await _converse(gateway, "speech", await create(gateway, "speech"), ["Hello?"], speech)
+    assert any(t.report for t in turns)
 
 
 @pytest.fixture

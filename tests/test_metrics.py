@@ -111,6 +111,26 @@ async def test_requests_counted_by_service_method_and_code(turn):
     assert _value(families["specvox_active_sessions"], "specvox_active_sessions") == 0
 
 
+async def test_budget_and_call_figures_match_the_turn(turn):
+    """The budget's counters say what the turn's report says; the gateway's stream was timed once,
+    and no turn is left under way."""
+    turns, families = turn
+    report = next(t.report for t in turns if t.report)
+    missed = _value(families["specvox_budget_misses"], "specvox_budget_misses_total")
+    assert missed == (1 if report["budget_missed"] else 0)
+    taken = report["degradations"]  # "stage:name"
+    assert _value(families["specvox_degradations"], "specvox_degradations_total") == len(taken)
+    for degradation in taken:
+        stage, name = degradation.split(":")
+        assert _value(families["specvox_degradations"], "specvox_degradations_total", stage=stage, name=name) >= 1
+    duration = families["specvox_request_duration_seconds"]
+    assert _value(duration, "specvox_request_duration_seconds_count", service="gateway",
+                  method="Gateway/Converse") == 1
+    assert _value(duration, "specvox_request_duration_seconds_sum", service="gateway",
+                  method="Gateway/Converse") > report["voice_to_voice_ms"] / 1000  # the stream outlasts the turn
+    assert _value(families["specvox_active_turns"], "specvox_active_turns") == 0
+
+
 async def test_decoding_counters(turn):
     _, families = turn
     steps = _value(families["specvox_llm_decode_steps"], "specvox_llm_decode_steps_total")
@@ -133,6 +153,20 @@ async def test_decoding_counters(turn):
         assert mean == pytest.approx(
             _value(families["specvox_llm_generated_tokens"], "specvox_llm_generated_tokens_total", drafter=drafter)
             / _value(families["specvox_llm_decode_steps"], "specvox_llm_decode_steps_total", drafter=drafter)), drafter
+
+
+def test_nothing_breaks_without_the_otel_packages():
+    """The real turn above and its metrics, in a process where OpenTelemetry cannot be imported."""
+    import os
+    import subprocess
+    import sys
+
+    tests = "latencies or budget_and_call or requests_counted"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "tests.without_otel", "-p", "no:cacheprovider",
+         __file__, "-k", tests], env={**os.environ, "CI": ""}, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "3 passed" in result.stdout, result.stdout[-2000:]
 
 
 async def test_a_turn_is_one_trace_across_the_four_services(turn, spans):
