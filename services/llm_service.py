@@ -253,11 +253,15 @@ class LlmServicer(pb_grpc.LlmServicer):
                 return pb.Prepared(skipped=True)
 
             def prepare():
+                if text and self.scheduler is not None and self.scheduler.busy:
+                    return None  # a reply began while this waited: it holds the session's prefix now
                 self._check_fits(text, persona)
                 return self._scorer().prepare(persona, history, self._scored_cache, request.session_id, text)
 
             # the words' prefill after anything else waiting for the thread (the conversation's, at once)
             result = await self.worker.call(prepare, due_s=time.time() + PREPARE_YIELD_S if text else None)
+            if result is None:
+                return pb.Prepared(skipped=True)
             return pb.Prepared(prompt_tokens=result.prompt_tokens, compute_ms=result.compute_ms,
                                skipped=bool(text) and not result.words)
 

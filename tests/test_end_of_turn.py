@@ -319,3 +319,37 @@ async def test_the_users_words_are_not_prepared_while_a_reply_decodes(redis_url,
         after = await stub.Prepare(llm.PrepareRequest(session_id=other, user_text="And then"))
     assert first.seq == 0 and during.skipped and during.prompt_tokens == 0
     assert not after.skipped and after.prompt_tokens > 0
+
+
+async def test_words_whose_turn_comes_after_a_reply_began_are_skipped(redis_url, tiny_llm_dir):
+    """A Prepare of words that waited for the model thread while a reply was queued finds the reply
+    decoding when its turn comes: it skips (the reply holds the session's prefix) rather than
+    prefill the whole conversation again between the reply's steps."""
+    import asyncio
+    import threading
+
+    from services.protos import load
+
+    llm, _ = load("llm")
+    async with llm_with_a_session(redis_url, tiny_llm_dir, "Be brief.") as (service, session):
+        stub, servicer = service.stub, service.servicer
+        release = threading.Event()
+        holding = asyncio.ensure_future(servicer.worker.call(release.wait))  # the thread busy with other work
+        await asyncio.sleep(0.05)
+        assert servicer.scheduler is not None and not servicer.scheduler.busy
+        words = asyncio.ensure_future(stub.Prepare(llm.PrepareRequest(session_id=session, user_text="And then")))
+        await asyncio.sleep(0.3)  # queued behind the held thread, no reply yet
+        turn = await service.redis.turns.create(session)
+        reply = stub.Reply(llm.ReplyRequest(session_id=session, turn_id=turn, user_text="Tell me a long story.",
+                                            max_new_tokens=200, defer_history=True))
+        first = asyncio.ensure_future(reply.read())
+        for _ in range(200):  # until the reply has joined the scheduler
+            if servicer.scheduler.busy:
+                break
+            await asyncio.sleep(0.01)
+        release.set()
+        prepared = await words
+        await first
+        reply.cancel()
+        await holding
+    assert prepared.skipped and prepared.prompt_tokens == 0
