@@ -249,6 +249,7 @@ class StreamingRecognizer:
         # What `listen` heard that `transcribe` has yet to give out, in stream order: events, and
         # the utterances the VAD closed (each becomes its final there).
         self._pending: list[AsrEvent | Utterance] = []
+        self._open: Utterance | None = None  # the open utterance as the last `listen` left it (its audio copied once)
 
     def feed(self, samples: np.ndarray) -> list[AsrEvent]:
         return self.listen(samples) + self.transcribe()
@@ -259,7 +260,7 @@ class StreamingRecognizer:
         was_active = self.segmenter.speech_active
         closed = self.segmenter.feed(samples)
         before, after = _voice_around(self.segmenter.voice_events, closed)
-        open_utterance = self.segmenter.open_utterance()
+        open_utterance = self._open = self.segmenter.open_utterance()
         self.cadence.speaking(id(self), open_utterance is not None)
         heard_s = self.segmenter.stream_s
         if not was_active and closed:
@@ -278,23 +279,21 @@ class StreamingRecognizer:
         finals = (u for u in self._pending if isinstance(u, Utterance))
         if any(not self._reuses_pass(u) for u in finals):
             return True
-        open_utterance = self.segmenter.open_utterance()
-        return open_utterance is not None and self._pass_due(open_utterance)
+        return self._open is not None and self._pass_due(self._open)
 
     def transcribe(self) -> list[AsrEvent]:
         """The finals of the utterances `listen` closed, the events after them, and a partial pass
         over the open utterance if one is due."""
         events = self._pending_events()
-        open_utterance = self.segmenter.open_utterance()
-        if open_utterance is not None and self._pass_due(open_utterance):
-            events.append(self._partial(open_utterance))
+        if self._open is not None and self._pass_due(self._open):
+            events.append(self._partial(self._open))
         return events
 
     def finish(self) -> list[AsrEvent]:
         """The stream ended: the open utterance (if any) gets its final now; a voice that was not
         speech gets its VoiceEnded."""
         self.close()
-        pending = self._pending_events()
+        pending, self._open = self._pending_events(), None
         was_active = self.segmenter.speech_active
         closed = self.segmenter.finish()
         before, after = _voice_around(self.segmenter.voice_events, closed)
