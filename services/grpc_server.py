@@ -334,6 +334,9 @@ async def run_service(settings: Any, build: Callable[[Any], Awaitable[Service]])
     process down the same way and raises WorkerFailed, so a supervisor restarts a whole process
     rather than one that serves calls but no longer takes work.
     """
+    from services import allocator
+
+    allocator.tune(settings.malloc_arena_max, settings.malloc_trim_interval_s)  # before the models' threads
     service = await build(settings)
     try:
         await _serve(settings, service)

@@ -468,7 +468,9 @@ class LogGap(Exception):  # noqa: N818 - a signal
 
 # Append entries numbered first..first+n-1 to a turn's log, if this writer's epoch is the turn's
 # (fencing) and they follow the last entry written (a retried call's entries are not added twice);
-# returns 1 when the turn is cancelled, 0 when not, -1 fenced, -2 a gap.
+# returns 1 when the turn is cancelled, 0 when not, -1 fenced, -2 a gap. The log's expiry is
+# pushed to ARGV[4] seconds, or kept where the turn is done (`finish_turn`: a cancelled reply's
+# last steps must not keep a finished turn an hour).
 _FENCED_APPEND = """
 if redis.call('HGET', KEYS[1], ARGV[1] .. '_epoch') ~= ARGV[2] then return -1 end
 local last = tonumber(redis.call('HGET', KEYS[1], ARGV[1] .. '_seq') or '-1')
@@ -479,9 +481,22 @@ if first + #entries - 1 > last then
   for _, e in ipairs(entries) do redis.call('XADD', KEYS[2], '*', unpack(e)) end
   redis.call('HSET', KEYS[1], ARGV[1] .. '_seq', first + #entries - 1)
 end
-redis.call('EXPIRE', KEYS[2], ARGV[4])
+if redis.call('HEXISTS', KEYS[1], 'done_unix_ms') == 0 or redis.call('TTL', KEYS[2]) < 0 then
+  redis.call('EXPIRE', KEYS[2], ARGV[4])
+end
 return redis.call('EXISTS', KEYS[3])
 """
+
+
+async def finish_turn(redis: aioredis.Redis, turn_id: str, ttl_s: int) -> None:
+    """The turn is over (its speech stream ended): its record, token log, speech stream and cancel
+    key expire `ttl_s` from now instead of `token_stream_ttl_s` after their last write, so that
+    what a stack holds in Redis is bounded by its recent turns (work.done_ttl_s)."""
+    async with redis.pipeline(transaction=True) as pipe:
+        pipe.hset(turn_key(turn_id), "done_unix_ms", int(time.time() * 1000))
+        for key in (turn_key(turn_id), token_stream_key(turn_id), speech_stream_key(turn_id), cancel_key(turn_id)):
+            pipe.expire(key, ttl_s)
+        await pipe.execute()
 
 
 class TurnLogWriter:
@@ -518,9 +533,6 @@ class TurnLogWriter:
             raise LogGap(f"{self.stage}: the log of turn {self.turn_id} ends before entry {self.next_seq}")
         self.next_seq += len(entries)
         return result == 1
-
-    async def expire(self, ttl_s: int) -> None:
-        await self.redis.expire(self.key, ttl_s)
 
 
 class TokenStreamTimeout(TimeoutError):

@@ -72,6 +72,11 @@ class Settings(BaseSettings):
     # on every turn's critical path (the final transcript, the pause): 4 sessions on 2 cores gave
     # asr final p95 453 against 643 ms and pause p95 223 against 266 ms (docs/benchmarks.md).
     nice: dict[str, int] = {"llm": 10, "tts": 10}
+    # glibc's allocator in each service (services/allocator.py): arenas capped (0: glibc's default,
+    # 8 per core) and free pages handed back every so many seconds (0: never), so that a
+    # long-running process's memory stays flat.
+    malloc_arena_max: int = 2
+    malloc_trim_interval_s: float = 30.0
     turn_budget_ms: int = 800
     token_stream_ttl_s: int = 3600
     session_ttl_s: int = 24 * 3600

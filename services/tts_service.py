@@ -37,6 +37,7 @@ from services.protos import load, load_common
 from services.redis_store import (
     SpeechEntry,
     TurnLogWriter,
+    finish_turn,
     now_ms,
     read_speech_log,
     read_token_stream,
@@ -153,7 +154,7 @@ class TtsServicer(pb_grpc.TtsServicer):
         await writer.append(*_numbered(writer, [
             SpeechEntry(0, "times", event=event.SerializeToString()),
             SpeechEntry(0, "end", data={"finish_reason": reason, **({"error": error} if error else {})})]))
-        await writer.expire(self.settings.work.done_ttl_s)
+        await finish_turn(self.redis.client, request.turn_id, self.settings.work.done_ttl_s)
         yield event
 
     async def Synthesize(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator:

@@ -22,7 +22,7 @@ from pipeline.llm.batch import BatchedDecoder, BatchScheduler, _Pending
 from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator
 from pipeline.llm.kv_cache import KVCache
 from pipeline.llm.model import LlmOptions, load_model
-from pipeline.llm.prefix_cache import PrefixCache, common_prefix, variant_key
+from pipeline.llm.prefix_cache import PrefixCache, cache_nbytes, common_prefix, variant_key
 from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, chat_messages, encode_chat
 from services.grpc_server import ModelWorker
 from services.protos import load
@@ -249,3 +249,62 @@ async def test_the_service_reports_the_cached_prefix_of_a_sessions_second_reply(
     assert capabilities.default_drafter == settings.llm.drafter and "none" in capabilities.drafters
     assert capabilities.context_tokens == loaded.context_tokens and capabilities.max_new_tokens == 96
     assert capabilities.weights == loaded.weights
+
+
+def test_the_bytes_kept_are_bounded_least_recently_used_sessions_first():
+    """`llm.prefix_cache_mb`: the buffers count as allocated (a KVCache's spare slots too); past the
+    bound the oldest sessions go whole, then the newest session's other prefixes; the entry just
+    put stays even when it alone is over the bound."""
+    def cache(tokens: int) -> KVCache:
+        keys = torch.randn(1, 2, tokens, 4)
+        return KVCache.from_tensors([(keys, keys)])
+
+    one = cache(10)
+    per_entry = cache_nbytes(one)
+    assert per_entry == 2 * one.keys.numel() * one.keys.element_size()  # 128 slots allocated, 10 live
+    assert per_entry > 2 * 10 * 2 * 4 * 4
+    store = PrefixCache(sessions=8, max_bytes=3 * per_entry)
+    store.put("a", list(range(10)), one)
+    store.put(variant_key("a", "score"), list(range(10)), cache(10))
+    store.put("b", list(range(10)), cache(10))
+    assert len(store) == 3 and store.nbytes == 3 * per_entry
+    store.reusable("a", [0, 1])  # a read does not make "a" recent
+    store.put("c", list(range(10)), cache(10))  # over: "a" is the least recent session, both its prefixes go
+    assert "a" not in store and variant_key("a", "score") not in store and {"b", "c"} <= set(store._entries)
+    assert store.nbytes == 2 * per_entry
+    store.put(variant_key("c", "score"), list(range(10)), cache(10))
+    store.put("d", list(range(200)), cache(200))  # 1.5 × per_entry (3 chunks against 2)
+    assert set(store._entries) == {"d"}  # b, then c's, until d fits
+    big = cache(2000)
+    store.put("e", list(range(2000)), big)  # alone over the bound: kept, all else dropped
+    assert set(store._entries) == {"e"} and store.nbytes == cache_nbytes(big) > store.max_bytes
+    with pytest.raises(ValueError, match="prefix_cache_mb"):
+        PrefixCache(sessions=1, max_bytes=-1)
+
+
+def test_a_dynamic_caches_bytes_are_its_layers_tensors():
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    cache.update(torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4), 0)
+    cache.update(torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4), 1)
+    assert cache_nbytes(cache) == 4 * 10 * 2 * 4 * 4
+
+
+def test_the_suffix_memories_of_all_sessions_are_bounded_in_tokens(tiny, monkeypatch):
+    """A stack that meets many sessions keeps suffix memories of the latest ones only, up to
+    `engine.REMEMBERED_TOKENS` together (a count of sessions let them grow with every new one)."""
+    import pipeline.llm.engine as engine
+
+    generator = Generator(tiny)
+    tokenizer = generator.loaded.tokenizer
+    question = encode(tokenizer, "Why is the sky blue?", ())
+    for_one = len(question) + 4 + 1  # the prompt, up to 4 reply tokens, the separator
+    monkeypatch.setattr(engine, "REMEMBERED_TOKENS", 3 * for_one)
+    for session in "abcde":
+        list(generator.steps(GenerationRequest(question, 4, drafter="suffix", session_key=session)))
+    held = {key: len(memory.memory.text) for key, memory in generator._memories.items()}
+    assert list(held) == ["c", "d", "e"] and all(0 < n <= for_one for n in held.values())
+    list(generator.steps(GenerationRequest(question, 4, drafter="suffix", session_key="c")))  # c is kept and grows
+    assert list(generator._memories) == ["e", "c"] and len(generator._memories["c"].memory.text) > held["c"]
+    assert sum(len(m.memory.text) for m in generator._memories.values()) <= 3 * for_one

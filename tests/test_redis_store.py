@@ -12,12 +12,17 @@ from services.redis_store import (
     TokenEntry,
     TokenStreamTimeout,
     TokenStreamWriter,
+    TurnLogWriter,
     TurnStore,
     UnknownSessionError,
     UnknownTurnError,
+    cancel_key,
     connect,
+    finish_turn,
     read_token_stream,
+    speech_stream_key,
     token_stream_key,
+    turn_key,
 )
 
 
@@ -99,3 +104,28 @@ async def test_a_session_in_use_does_not_expire_and_keeps_what_was_heard(client)
     with pytest.raises(UnknownSessionError):
         await sessions.require(session)
     assert await sessions.history(session) == ()
+
+
+async def test_a_finished_turn_expires_soon_and_late_appends_do_not_keep_it_an_hour(client):
+    """What a stack keeps in Redis is bounded by its recent turns: once the speech stream ends
+    (`finish_turn`, work.done_ttl_s) every key of the turn expires soon, and a cancelled reply's
+    last steps, written after that, do not push its token log back to token_stream_ttl_s."""
+    turn = await TurnStore(client, ttl_s=3600).create("s1")
+    tokens = TurnLogWriter(client, turn, "llm", token_stream_key(turn), ttl_s=3600)
+    speech = TurnLogWriter(client, turn, "tts", speech_stream_key(turn), ttl_s=3600)
+    await tokens.claim()
+    await speech.claim()
+    await tokens.append({"seq": 0, "text": "Hi"})
+    await speech.append({"n": 0, "kind": "phrase"})
+    await client.set(cancel_key(turn), "barge-in", ex=3600)
+    assert 3000 < await client.ttl(token_stream_key(turn)) <= 3600  # a turn under way lives long
+    await finish_turn(client, turn, 30)
+    keys = (turn_key(turn), token_stream_key(turn), speech_stream_key(turn), cancel_key(turn))
+    assert all([0 < await client.ttl(k) <= 30 for k in keys])
+    assert await tokens.append({"seq": 1, "end": 1})  # written after the end: still told it is cancelled
+    assert 0 < await client.ttl(token_stream_key(turn)) <= 30
+    other = await TurnStore(client, ttl_s=3600).create("s1")  # a turn not finished: the full expiry
+    log = TurnLogWriter(client, other, "llm", token_stream_key(other), ttl_s=3600)
+    await log.claim()
+    await log.append({"seq": 0})
+    assert await client.ttl(token_stream_key(other)) > 3000

@@ -137,7 +137,7 @@ class SuffixAutomaton:
 
 
 # A session's suffix memory at most, in tokens: the automaton takes ~450 bytes a token, so ~2 MB
-# a session, and engine.SESSIONS_REMEMBERED (256) of them ~0.5 GB at worst.
+# a session; all sessions' together are bounded by engine.REMEMBERED_TOKENS (~30 MB).
 MEMORY_TOKENS = 4096
 
 

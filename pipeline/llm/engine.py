@@ -67,7 +67,10 @@ from pipeline.llm.sampling import (
 MODEL_FREE_DRAFTERS = ("none", "ngram", "suffix")
 EARLY_EXIT = "early-exit"
 QUANTIZED = "quantized"  # the target's own weights at 4 bits (model.quantized_self_draft)
-SESSIONS_REMEMBERED = 256  # suffix memories kept, least recently used dropped
+# The suffix drafter's session memories, together, in tokens (~450 bytes each: ~30 MB); least
+# recently used sessions dropped past it. A count of sessions let a stack that meets many new
+# sessions grow toward 256 full memories (~0.5 GB); a dropped session drafts from its prompt again.
+REMEMBERED_TOKENS = 65_536
 SEEDED_DRAFT_COST = 0.25  # one draft step / one target step, assumed (not timed) for seeded sampling
 REPLAY_ROWS = 16  # tokens per catch-up pass of a transformers drafter under seeded sampling (see ModelDrafter)
 
@@ -186,10 +189,11 @@ class Generator:
 
     def __init__(
         self, loaded: LoadedModel, draft_model: LoadedModel | None = None, early_exit_layers: int = 8,
-        static_cache: bool = False, lean: bool = True, prefix_cache_sessions: int = 0,
+        static_cache: bool = False, lean: bool = True, prefix_cache_sessions: int = 0, prefix_cache_mb: int = 0,
     ) -> None:
         """`lean`: run the target through `loaded.lean` where it has one (it cannot fill a static cache).
-        `prefix_cache_sessions`: sessions whose KV cache is kept between requests (not with a static cache)."""
+        `prefix_cache_sessions`: sessions whose KV cache is kept between requests (not with a static cache),
+        holding at most `prefix_cache_mb` MiB together (0: no bound in bytes)."""
         self.loaded = loaded
         self.static_cache = static_cache
         use_lean = lean and loaded.lean is not None and not static_cache
@@ -206,14 +210,14 @@ class Generator:
         self._draft_costs: dict[str, DraftCost] = {}  # a model drafter's c and α, across requests
         self.guards: dict[str, DraftGuard] = {}  # per drafter: drafting on or off, from measured costs
         self.costs = CostMeter()  # what prefills and steps take here, for the latency budget
-        self.prefix_cache = PrefixCache(0 if static_cache else prefix_cache_sessions)
+        self.prefix_cache = PrefixCache(0 if static_cache else prefix_cache_sessions, prefix_cache_mb << 20)
         self.draft_heads: dict[str, TrainedHead] = {}  # trained heads for this target by kind (`from_options`)
 
     @classmethod
     def from_options(cls, loaded: LoadedModel, options: LlmOptions) -> Generator:
         """The target with the configured draft model, early-exit depth, KV cache kind and prefix cache."""
         generator = cls(loaded, load_draft_model(options, loaded), options.early_exit_layers, options.static_cache,
-                        prefix_cache_sessions=options.prefix_cache_sessions)
+                        prefix_cache_sessions=options.prefix_cache_sessions, prefix_cache_mb=options.prefix_cache_mb)
         if isinstance(generator.forward, LeanLlama) and options.draft_heads != "off":  # they read its features
             generator.draft_heads = find_heads(options.model, loaded.model, options.draft_heads)
         return generator
@@ -328,7 +332,7 @@ class Generator:
         if request.drafter == "ngram":
             return PromptLookupDrafter()
         if request.drafter == "suffix":
-            return self._memory(request.session_key)
+            return self._memory(request.session_key, len(request.prompt_ids) + request.max_new_tokens + 1)
         if request.drafter in self.draft_heads:
             start = len(request.prompt_ids)
             return self.draft_heads[request.drafter].drafter(request.sampling, None if random is None else
@@ -387,13 +391,16 @@ class Generator:
             return None
         return self.guards.setdefault(drafter.name, DraftGuard())
 
-    def _memory(self, session_key: str) -> SuffixDrafter:
+    def _memory(self, session_key: str, incoming: int) -> SuffixDrafter:
+        """`session_key`'s suffix memory, the least recently used others dropped to leave room
+        for the `incoming` tokens this request will commit to it."""
         if not session_key:
             return SuffixDrafter()
         memory = self._memories.pop(session_key, None) or SuffixDrafter()
+        held = sum(len(m.memory.text) for m in self._memories.values())
+        while self._memories and held + len(memory.memory.text) + incoming > REMEMBERED_TOKENS:
+            held -= len(self._memories.popitem(last=False)[1].memory.text)
         self._memories[session_key] = memory
-        while len(self._memories) > SESSIONS_REMEMBERED:
-            self._memories.popitem(last=False)
         return memory
 
 

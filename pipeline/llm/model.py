@@ -71,6 +71,7 @@ class LlmOptions:
     urgent_tokens: int = 10
     park_min_tokens: int = 20
     prefix_cache_sessions: int = 8  # sessions whose KV cache is kept between turns (llm/prefix_cache.py); 0: off
+    prefix_cache_mb: int = 512  # and the most their KV caches hold together, MiB as allocated; 0: no bound in bytes
     # What the latency budget cuts a late turn to (pipeline/llm/budget.py): "reply_capped", "draft_shortened".
     degraded_max_new_tokens: int = 40
     degraded_max_draft_tokens: int = 3

@@ -27,8 +27,13 @@ shares more, and the bound counts sessions: one dropped drops all of its prefixe
 
 Memory: a cached token costs 2 · layers · kv_heads · head_dim values (46 KB for the bundled
 target in float32: 1,000 tokens ≈ 46 MB, plus a `KVCache`'s spare slots, under
-`kv_cache.CHUNK_TOKENS`), so the sessions kept are bounded, least recently
-used dropped. `take` and `put` run on the model's thread; `reusable` only reads, from any.
+`kv_cache.CHUNK_TOKENS`). Two bounds hold, least recently used sessions dropped first: the
+sessions kept (`llm.prefix_cache_sessions`) and the bytes their buffers hold
+(`llm.prefix_cache_mb`, counted as allocated, spare slots included). A session count alone let
+the memory follow the conversations' lengths; the byte bound makes the cache's share of the
+process flat by construction. The entry just put is never dropped, so one prompt longer than the
+byte bound is still kept (alone). `take` and `put` run on the model's thread; `reusable` only
+reads, from any.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from pipeline.llm.model import rollback
 
 
@@ -46,6 +53,16 @@ from pipeline.llm.model import rollback
 class CachedPrefix:
     tokens: tuple[int, ...]  # what the cache holds, position by position
     cache: Any  # KVCache or DynamicCache holding len(tokens) positions, one row
+    nbytes: int = 0  # what its buffers hold, as allocated (`cache_nbytes`)
+
+
+def cache_nbytes(cache: Any) -> int:
+    """The bytes a KV cache's tensors hold, as allocated: a `KVCache`'s spare slots count, and
+    views of one buffer count it once."""
+    tensors = [cache.keys, cache.values] if isinstance(getattr(cache, "keys", None), torch.Tensor) else [
+        t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
 
 
 VARIANT_SEPARATOR = "\x00"
@@ -61,13 +78,22 @@ def _session_of(key: str) -> str:
 
 
 class PrefixCache:
-    """Up to `sessions` sessions' caches, least recently used dropped; 0 keeps none."""
+    """Up to `sessions` sessions' caches holding at most `max_bytes` together, least recently
+    used dropped; `sessions` 0 keeps none, `max_bytes` 0 counts no bytes."""
 
-    def __init__(self, sessions: int = 8) -> None:
+    def __init__(self, sessions: int = 8, max_bytes: int = 0) -> None:
         if sessions < 0:
             raise ValueError("prefix_cache_sessions must be 0 (off) or more")
+        if max_bytes < 0:
+            raise ValueError("prefix_cache_mb must be 0 (no bound in bytes) or more")
         self.sessions = sessions
+        self.max_bytes = max_bytes
         self._entries: OrderedDict[str, CachedPrefix] = OrderedDict()
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the kept caches hold now."""
+        return sum(entry.nbytes for entry in self._entries.values())
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -97,7 +123,7 @@ class PrefixCache:
         keep = 0 if entry is None else _reusable(entry.tokens, prompt)
         other = self._entries.get(fallback) if fallback else None
         if other is not None and (shared := _reusable(other.tokens, prompt)) > keep:
-            entry, keep = CachedPrefix(other.tokens, copy.deepcopy(other.cache)), shared
+            entry, keep = CachedPrefix(other.tokens, copy.deepcopy(other.cache), other.nbytes), shared
         if entry is None or keep == 0:
             return None, 0
         rollback(entry.cache, keep)
@@ -111,11 +137,27 @@ class PrefixCache:
         if held != len(tokens):
             raise ValueError(f"a cache of {held} positions cannot stand for {len(tokens)} tokens")
         self._entries.pop(key, None)
-        self._entries[key] = CachedPrefix(tuple(tokens), cache)
+        self._entries[key] = CachedPrefix(tuple(tokens), cache, cache_nbytes(cache))
         while len({_session_of(k) for k in self._entries}) > self.sessions:
             oldest = _session_of(next(iter(self._entries)))
             for k in [k for k in self._entries if _session_of(k) == oldest]:
                 del self._entries[k]
+        if self.max_bytes:
+            self._shed_bytes(keep=key)
+
+    def _shed_bytes(self, keep: str) -> None:
+        """Drop least recently used sessions (all their prefixes), then `keep`'s other prefixes,
+        until the kept bytes fit `max_bytes`; `keep` itself stays."""
+        total = self.nbytes
+        for session in dict.fromkeys(_session_of(k) for k in self._entries if _session_of(k) != _session_of(keep)):
+            if total <= self.max_bytes:
+                return
+            for k in [k for k in self._entries if _session_of(k) == session]:
+                total -= self._entries.pop(k).nbytes
+        for k in [k for k in self._entries if k != keep]:
+            if total <= self.max_bytes:
+                return
+            total -= self._entries.pop(k).nbytes
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
