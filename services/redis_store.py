@@ -493,7 +493,7 @@ async def finish_turn(redis: aioredis.Redis, turn_id: str, ttl_s: int) -> None:
     key expire `ttl_s` from now instead of `token_stream_ttl_s` after their last write, so that
     what a stack holds in Redis is bounded by its recent turns (work.done_ttl_s)."""
     async with redis.pipeline(transaction=True) as pipe:
-        pipe.hset(turn_key(turn_id), "done_unix_ms", int(time.time() * 1000))
+        pipe.hset(turn_key(turn_id), "done_unix_ms", now_ms())
         for key in (turn_key(turn_id), token_stream_key(turn_id), speech_stream_key(turn_id), cancel_key(turn_id)):
             pipe.expire(key, ttl_s)
         await pipe.execute()
