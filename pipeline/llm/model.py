@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pipeline.llm import exact_codes
+from pipeline.llm import exact_codes, gguf_cache
 from pipeline.llm.lean_llama import WEIGHT_FORMS, LeanLlama
 from pipeline.llm.lean_llama import supports as lean_supports
 from pipeline.llm.weight_kernels import INT4_GROUP, Int4Linear
@@ -40,6 +40,10 @@ class LlmOptions:
     max_new_tokens: int = 96
     torch_threads: int = 0  # 0: torch's default
     offline: bool = True  # never reach a model hub unless told to
+    # A GGUF target's conversion to transformers' format, made on its first load and read by the
+    # later ones (pipeline/llm/gguf_cache.py: ~1 s against ~21 s): "" $XDG_CACHE_HOME/specvox/gguf
+    # (~/.cache/specvox/gguf), a folder, or "off" to convert on every load.
+    gguf_cache: str = ""
     drafter: str = "suffix"  # the default drafter: none, ngram, suffix, early-exit, quantized, draft
     draft_model: str = ""  # a smaller causal LM sharing the target's tokenizer (path or hub id)
     early_exit_layers: int = 8  # depth of the self-speculative drafter
@@ -191,7 +195,8 @@ def load_model(options: LlmOptions) -> LoadedModel:
         options = replace(options, weights=form)
     _check_weight_form(options)
     try:
-        tokenizer, model = _from_pretrained(ref, dtype, options.offline)
+        tokenizer, model = gguf_cache.load(ref.name_or_path, ref.gguf_file, dtype, options.offline,
+                                           gguf_cache.cache_root(options.gguf_cache))
     except OSError as e:
         if options.offline:
             raise not_found_offline("llm", options.model, e) from e
@@ -288,15 +293,6 @@ def _auto_lean_pass(model: Any, options: LlmOptions, reason: str) -> tuple[LeanL
                 reason = f"int4-exact did not load ({type(e).__name__}: {e})"
         log.warning("llm weights: int4-exact does not apply after all: %s", reason)
     return _lean_pass(model, replace(options, weights="dense")), "dense", reason
-
-
-def _from_pretrained(ref: ModelRef, dtype: torch.dtype, offline: bool) -> tuple[object, torch.nn.Module]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    common = {"gguf_file": ref.gguf_file, "local_files_only": offline}
-    tokenizer = AutoTokenizer.from_pretrained(ref.name_or_path, **common)
-    model = AutoModelForCausalLM.from_pretrained(ref.name_or_path, dtype=dtype, **common)
-    return tokenizer, model
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer: object) -> frozenset[int]:
