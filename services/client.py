@@ -203,6 +203,7 @@ async def converse_script(address: str, script: list[Say], fmt: PcmFormat,
             started = time.time()
             sent, i, pending = 0, 0, list(script)
             speech, quiet_since, heard_since = b"", 0.0, None
+            silence_s = 0.0  # silence sent since the last speech, in the input's own time
             settle_s = max(options.trailing_silence_s, END_OF_CONVERSATION_SILENCE_S)
             deadline = now_s() + CONVERSATION_TIMEOUT_S
             while now_s() < deadline:
@@ -217,17 +218,22 @@ async def converse_script(address: str, script: list[Say], fmt: PcmFormat,
                 if speech:
                     chunk, speech = speech[:chunk_bytes], speech[chunk_bytes:]
                     chunk += b"\0" * (chunk_bytes - len(chunk))
-                    quiet_since = now_s() if not speech else quiet_since
+                    quiet_since, silence_s = (now_s() if not speech else quiet_since), 0.0
                 else:
                     chunk = b"\0" * chunk_bytes
-                    if not pending and now_s() - quiet_since >= options.trailing_silence_s:
+                    if not pending and silence_s >= options.trailing_silence_s:
                         if not options.wait_for_replies:
                             break
                         if heard_since is not None and now_s() - max(heard_since, quiet_since) >= settle_s:
                             break  # every reply heard, and nothing more came of the last words
+                    silence_s += len(chunk) / fmt.bytes_per_s
                 i += 1
                 if options.realtime:
                     await asyncio.sleep(max(0.0, started + i * options.chunk_ms / 1000 - time.time()))
+                elif not speech and silence_s > options.trailing_silence_s:
+                    # Not real time: the speech and its trailing silence go out at once, but the
+                    # silence while replies play or the next words wait stands for time passing.
+                    await asyncio.sleep(options.chunk_ms / 1000)
                 await outgoing.put(pb.ClientMessage(audio=chunk))
                 sent += len(chunk)
             await outgoing.put(None)
