@@ -44,29 +44,37 @@ def assert_same_load(cached: LoadedModel, direct: LoadedModel) -> None:
     assert replies[0] == replies[1] and len(replies[0]) > 0
 
 
-def test_the_cached_float32_load_is_the_gguf_load_and_converts_once(tmp_path, caplog):
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A cache folder holding the bundled target's conversion, made by a first load (float32),
+    and what that load returned."""
+    root = tmp_path_factory.mktemp("gguf-cache")
+    return root, load_model(LlmOptions(gguf_cache=str(root)))
+
+
+def test_the_cached_float32_load_is_the_gguf_load_and_converts_once(tmp_path, caplog, converted):
+    root, first = converted
     unwritable = tmp_path / "a-file"
     unwritable.write_text("")
     with caplog.at_level(logging.INFO, logger="pipeline.llm.gguf_cache"):
         direct = load_model(LlmOptions(gguf_cache=str(unwritable / "cache")))  # converted, not saved
         assert "the GGUF conversion is not cached" in caplog.text
         caplog.clear()
-        first = load_model(LlmOptions(gguf_cache=str(tmp_path / "cache")))
-        later = load_model(LlmOptions(gguf_cache=str(tmp_path / "cache")))
-    assert caplog.text.count("converted SmolLM2-135M-Instruct.Q4_1.gguf once") == 1
-    (entry,) = (tmp_path / "cache").iterdir()  # nothing left half-written beside it
-    assert json.loads((entry / gguf_cache.SOURCE_FILE).read_text())["gguf"].endswith(".gguf")
+        later = load_model(LlmOptions(gguf_cache=str(root)))
+    assert "converted" not in caplog.text  # read back, not converted again
+    (entry,) = root.iterdir()  # nothing left half-written beside it
+    assert json.loads((entry / gguf_cache.SOURCE_FILE).read_text())["gguf"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert "quantization_config" not in json.loads((entry / "config.json").read_text())
     assert direct.weights == "int4-exact"  # the stored codes are recognized in the read-back weights too
     assert_same_load(first, direct)
     assert_same_load(later, direct)
 
 
-def test_the_cached_bfloat16_load_is_the_gguf_load(tmp_path):
-    options = LlmOptions(dtype="bfloat16", weights="int4")
-    direct = load_model(LlmOptions(**{**options.__dict__, "gguf_cache": gguf_cache.OFF}))
-    load_model(LlmOptions(**{**options.__dict__, "gguf_cache": str(tmp_path)}))
-    assert_same_load(load_model(LlmOptions(**{**options.__dict__, "gguf_cache": str(tmp_path)})), direct)
+def test_the_cached_bfloat16_load_is_the_gguf_load(converted):
+    root = converted[0]
+    options = {"dtype": "bfloat16", "weights": "int4"}
+    direct = load_model(LlmOptions(**options, gguf_cache=gguf_cache.OFF))
+    assert_same_load(load_model(LlmOptions(**options, gguf_cache=str(root))), direct)
 
 
 def test_an_entry_is_keyed_by_the_files_version_and_an_older_one_is_removed(tmp_path):
