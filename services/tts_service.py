@@ -92,16 +92,21 @@ class TtsServicer(pb_grpc.TtsServicer):
         request = work_request(item, pb.SpeakTurnRequest)
         logs.bind(session_id=request.session_id, turn_id=request.turn_id)
         with tracing.work_span("tts", "tts Tts/SpeakTurn", item.fields, turn_id=request.turn_id, work_id=item.id):
-            await work_through_log(self._speak_turn(request, StageClock("tts"), replay=False),
-                                   lambda why: _end_speech(self.redis.client, request.turn_id, "error", why, self._ttl))
+            await work_through_log(
+                self._speak_turn(request, StageClock("tts"), replay=False),
+                lambda why: _end_speech(self.redis.client, request.turn_id, "error", why, self._done_ttl))
 
     async def _dead(self, item: WorkItem, letter: dict[str, str]) -> None:
         error = f"INTERNAL: tts gave up after {letter['deliveries']} tries: {letter['error']}"
-        await _end_speech(self.redis.client, item.fields.get("turn", ""), "error", error, self._ttl)
+        await _end_speech(self.redis.client, item.fields.get("turn", ""), "error", error, self._done_ttl)
 
     @property
     def _ttl(self) -> int:
         return self.settings.token_stream_ttl_s
+
+    @property
+    def _done_ttl(self) -> int:
+        return self.settings.work.done_ttl_s
 
     async def _speak_turn(self, request, clock: StageClock, replay: bool) -> AsyncIterator:
         """The turn's speech events, each piece written to its speech stream before it is yielded.
@@ -300,14 +305,13 @@ def _numbered(writer: TurnLogWriter, entries: list[SpeechEntry]) -> list[dict[st
     return [dataclasses.replace(e, n=writer.next_seq + i).fields() for i, e in enumerate(entries)]
 
 
-async def _end_speech(redis, turn_id: str, reason: str, error: str, ttl_s: int) -> None:
-    """End a turn's speech stream that no worker will write any more (its request refused, given up)."""
+async def _end_speech(redis, turn_id: str, reason: str, error: str, done_ttl_s: int) -> None:
+    """End a turn's speech stream that no worker will write any more (its request refused, given
+    up): the turn is over, so its keys expire as a finished turn's do (`finish_turn`)."""
     n = int(await redis.hget(turn_key(turn_id), "tts_seq") or -1) + 1
     entry = SpeechEntry(n, "end", data={"finish_reason": reason, "error": error})
-    async with redis.pipeline(transaction=False) as pipe:
-        pipe.xadd(speech_stream_key(turn_id), entry.fields())
-        pipe.expire(speech_stream_key(turn_id), ttl_s)
-        await pipe.execute()
+    await redis.xadd(speech_stream_key(turn_id), entry.fields())
+    await finish_turn(redis, turn_id, done_ttl_s)
 
 
 def voice_name(settings: Settings) -> str:

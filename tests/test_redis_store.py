@@ -19,6 +19,7 @@ from services.redis_store import (
     cancel_key,
     connect,
     finish_turn,
+    read_speech_log,
     read_token_stream,
     speech_stream_key,
     token_stream_key,
@@ -129,3 +130,16 @@ async def test_a_finished_turn_expires_soon_and_late_appends_do_not_keep_it_an_h
     await log.claim()
     await log.append({"seq": 0})
     assert await client.ttl(token_stream_key(other)) > 3000
+
+
+async def test_a_turn_whose_speech_ends_in_an_error_expires_as_a_finished_one(client):
+    """A SpeakTurn the tts refuses or gives up on ends the turn's speech stream with the error,
+    and the turn's keys then expire as any finished turn's (work.done_ttl_s), not in an hour."""
+    from services.tts_service import _end_speech
+
+    turn = await TurnStore(client, ttl_s=3600).create("s1")
+    error = "INVALID_ARGUMENT: unknown voice 'nobody'"
+    await _end_speech(client, turn, "error", error, 30)
+    [end] = await read_speech_log(client, turn)
+    assert end.kind == "end" and end.data == {"finish_reason": "error", "error": error}
+    assert all([0 < await client.ttl(k) <= 30 for k in (turn_key(turn), speech_stream_key(turn))])
