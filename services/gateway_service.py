@@ -201,7 +201,8 @@ class Conversation:
         self.degradations = 0
         self._lock = asyncio.Lock()  # one event through the machine at a time, its actions in order
         self._input_error: Exception | None = None
-        self._background: set[asyncio.Task] = set()  # cancel keys being set
+        # Tasks nothing else holds: cancel keys being set, prepares, a finished turn's tasks winding down.
+        self._background: set[asyncio.Task] = set()
         self._t0 = time.monotonic()
         self._asr_call = None
         self._asr_writes = asyncio.Lock()  # a gRPC stream takes one write at a time: audio, contexts
@@ -398,9 +399,15 @@ class Conversation:
             log.warning("turn %s: could not tell its workers it is cancelled: %s", work.turn_id, e)
 
     def _in_background(self, awaitable) -> None:
-        task = asyncio.create_task(awaitable)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._hold(asyncio.create_task(awaitable))
+
+    def _hold(self, task: asyncio.Task) -> None:
+        """Keep a task referenced until it is done: the event loop holds tasks only weakly, and a
+        pending one collected with what it waits on never runs its `finally` (asyncio then logs
+        "Task was destroyed but it is pending!"); `close` waits for them."""
+        if not task.done():
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def _start_turn(self, action: StartTurn) -> None:
         work = await self._open_work(action.turn_id, action.user_text, action.utterance, "dialogue")
@@ -425,6 +432,7 @@ class Conversation:
             session_id=self.session_id, turn_id=work.turn_id, sample_rate_hz=c.reply_sample_rate_hz,
             voice=c.voice, budget=self._budget(work)))
         sender = asyncio.create_task(self._send_paced(work))
+        self._hold(sender)
         try:
             await asyncio.gather(self._pump_reply(work, request), self._pump_speech(work))
             await work.outbox.put(END)
@@ -572,6 +580,8 @@ class Conversation:
         if work is None:
             return
         work.cancel()
+        for task in work.tasks:  # no longer reachable through self.work: held while they wind down
+            self._hold(task)
         work.clock.emitted()
         voice_ms = work.first_audio_sent_unix_ms - work.speech_end_unix_ms if work.first_audio_sent_unix_ms else None
         missed = voice_ms is not None and voice_ms > self.config.budget_ms
