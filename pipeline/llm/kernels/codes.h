@@ -22,11 +22,14 @@ constexpr int64_t kInt8Record = 32 + kGroup * kLanes;      // 16 float16 scales,
 #if SPECVOX_AVX512
 constexpr int kRowsPerSweep = 12;       // 24 accumulators and the rest in AVX-512's 32 zmm
 #else
-// AVX2: a Vec is two of the 16 ymm, so 2 rows fit (8 accumulators) and more spill. Measured on a
-// Zen 3 (2026-12-02, docs/benchmarks.md): a step's products take ~9 ms for one row whatever this
-// is; nine rows take 51 ms at 4 (4 + 4 + 1), 55 at 2, 60 at 3 or 6, 81 at 1. (One accumulator a
-// row fits 5 rows and takes nine in 35 ms, but one row in 11: decoding is mostly one-row passes.)
-constexpr int kRowsPerSweep = 4;
+// AVX2 takes a record's 16 lanes 8 at a time for three rows or more (block_product_halves), so
+// a row's two accumulators are two of the 16 ymm registers. Measured on a Zen 3 (2026-12-03,
+// docs/benchmarks.md), a step's products at nine rows: 45 ms at 5 (5 + 4), 46 at 6, 56 at 4,
+// against 59 for the 16-lane kernel at 4 rows a sweep; one row ~10 ms either way.
+#ifndef SPECVOX_ROWS_AVX2
+#define SPECVOX_ROWS_AVX2 5
+#endif
+constexpr int kRowsPerSweep = SPECVOX_ROWS_AVX2;
 #endif
 constexpr int64_t kPrefetch = 4096;     // bytes fetched ahead: the hardware prefetcher alone left the loop
                                         // waiting on memory (2.2 GB/s); 1-8 KiB ahead all do about as well
@@ -88,6 +91,70 @@ void block_product(const float* x, int64_t K, const uint8_t* records, float* out
   for (int r = 0; r < M; ++r) simd::storeu(out + r * N + block * kLanes, simd::add(even[r], odd[r]));
 }
 
+#if !SPECVOX_AVX512
+// AVX2, three rows or more: half a record's lanes (8 output features, one ymm register) at a time,
+// so that a row's two accumulators take two registers, not four, and 5 rows share a sweep without
+// spilling (with a Vec of two ymm, 2 rows fit and 4 spilled: nine rows cost 5.5 one-row passes).
+// Lane by lane the operations and their order are block_product's, so the results are the same
+// bits; one or two rows stay on block_product, which reads a record once, not twice.
+struct Int4Half {
+  static constexpr int64_t kRecord = kInt4Record;
+  __m256 scale, low;
+  const uint8_t* codes;
+  Int4Half(const uint8_t* record, int half)
+      : scale(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(record + 16 * half)))),
+        low(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(record + 32 + 16 * half)))),
+        codes(record + 64 + 8 * half) {}
+  void pair(int64_t p, __m256& w0, __m256& w1) const {
+    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(codes + p * kLanes)));
+    w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(15))), scale, low);
+    w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), scale, low);
+  }
+};
+
+struct Int8Half {
+  static constexpr int64_t kRecord = kInt8Record;
+  __m256 scale;
+  const uint8_t* codes;
+  Int8Half(const uint8_t* record, int half)
+      : scale(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(record + 16 * half)))), codes(record + 32 + 8 * half) {}
+  void pair(int64_t p, __m256& w0, __m256& w1) const {
+    w0 = _mm256_mul_ps(simd::signed_bytes8(codes + 2 * p * kLanes), scale);
+    w1 = _mm256_mul_ps(simd::signed_bytes8(codes + (2 * p + 1) * kLanes), scale);
+  }
+};
+
+template <class Codes> struct HalfOf;
+template <> struct HalfOf<Int4Codes> { using type = Int4Half; };
+template <> struct HalfOf<Int8Codes> { using type = Int8Half; };
+
+template <class Codes, int M>
+void block_product_halves(const float* x, int64_t K, const uint8_t* records, float* out, int64_t N, int64_t block) {
+  using Half = typename HalfOf<Codes>::type;
+  const int64_t groups = K / kGroup;
+  const uint8_t* first = records + block * groups * Codes::kRecord;
+  for (int half = 0; half < 2; ++half) {  // the second half reads the block's records from L1
+    __m256 even[M], odd[M];
+    for (int r = 0; r < M; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* record = first + g * Codes::kRecord;
+      if (half == 0) prefetch_record(record, Codes::kRecord);
+      const Half codes(record, half);
+      for (int64_t p = 0; p < kGroup / 2; ++p) {
+        __m256 w0, w1;
+        codes.pair(p, w0, w1);
+        const int64_t i = g * kGroup + 2 * p;
+        for (int r = 0; r < M; ++r) {
+          even[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * K + i]), w0, even[r]);
+          odd[r] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * K + i + 1]), w1, odd[r]);
+        }
+      }
+    }
+    for (int r = 0; r < M; ++r) _mm256_storeu_ps(out + r * N + block * kLanes + 8 * half, _mm256_add_ps(even[r], odd[r]));
+  }
+}
+#endif
+
 // All blocks of 16 output features for `rows` activation rows (at::parallel_for: on one thread, as
 // exact_codes.py builds the extension without OpenMP; see KERNEL_FLAGS there).
 // One instantiation per row count (1..kRowsPerSweep) keeps the accumulators in registers.
@@ -97,6 +164,12 @@ void sweep(int64_t rows, const float* x, int64_t K, const uint8_t* records, floa
     if (rows < M) return sweep<Codes, M - 1>(rows, x, K, records, out, N);
   }
   at::parallel_for(0, N / kLanes, 8, [&](int64_t b0, int64_t b1) {
+#if !SPECVOX_AVX512
+    if constexpr (M > 2) {
+      for (int64_t b = b0; b < b1; ++b) block_product_halves<Codes, M>(x, K, records, out, N, b);
+      return;
+    }
+#endif
     for (int64_t b = b0; b < b1; ++b) block_product<Codes, M>(x, K, records, out, N, b);
   });
 }
