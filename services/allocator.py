@@ -9,6 +9,15 @@ rose). Two settings bound that: `malloc_arena_max` caps the arenas (`mallopt(M_A
 what `MALLOC_ARENA_MAX` does, set before the models load and their threads start), and
 `malloc_trim_interval_s` has a thread call `malloc_trim(0)` that often, which hands the free
 pages inside every arena back to the kernel. Elsewhere than glibc (musl, macOS) both do nothing.
+
+A third lever is for the tts: glibc maps a block of 128 KiB or more on its own, but raises that
+threshold to the size of every such block freed (up to 32 MiB), so after the first synthesis its
+buffers are carved from the heap, which then holds ~75 MB more than the buffers in use (a hammer
+of Synthesize calls, docs/reliability.md). A fixed threshold (`malloc_mmap_threshold`, per service)
+keeps them mapped and unmaps each when freed; with 4 KiB pages those fresh mappings cost so many
+page faults that synthesis ran at 0.58x, in transparent huge pages (`malloc_huge_pages`) at 0.83x.
+Huge pages for malloc can only be asked for before the process starts (the GLIBC_TUNABLES
+environment variable, glibc 2.35+), so `exec_with_tunables` starts the service again with them.
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
+import sys
 import threading
 
 log = logging.getLogger(__name__)
@@ -58,3 +69,29 @@ def trim_now() -> bool:
     """One `malloc_trim(0)`: whether glibc gave memory back (False also where it is not glibc)."""
     libc = _glibc()
     return bool(libc is not None and libc.malloc_trim(0))
+
+
+def tunables(mmap_threshold: int, huge_pages: bool) -> str:
+    """The GLIBC_TUNABLES entries for a fixed mmap threshold of `mmap_threshold` bytes (0: glibc's
+    moving one, and nothing to set), its blocks in transparent huge pages if `huge_pages`."""
+    if mmap_threshold <= 0:
+        return ""
+    entries = [f"glibc.malloc.mmap_threshold={mmap_threshold}"]
+    if huge_pages:
+        entries.append("glibc.malloc.hugetlb=1")  # madvise(MADV_HUGEPAGE) on what malloc maps
+    return ":".join(entries)
+
+
+def exec_with_tunables(mmap_threshold: int, huge_pages: bool) -> None:
+    """Start this process again, the same command, with the tunables in its environment, unless
+    it already has them (then, and where nothing is asked or it is not glibc, return at once).
+    Call it first thing: nothing done before it survives the exec."""
+    wanted = tunables(mmap_threshold, huge_pages)
+    present = os.environ.get("GLIBC_TUNABLES", "")
+    if not wanted or _glibc() is None or "glibc.malloc.mmap_threshold=" in present:
+        return
+    env = dict(os.environ, GLIBC_TUNABLES=f"{present}:{wanted}" if present else wanted)
+    log.debug("restarting with GLIBC_TUNABLES=%s", env["GLIBC_TUNABLES"])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

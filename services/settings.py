@@ -77,6 +77,13 @@ class Settings(BaseSettings):
     # long-running process's memory stays flat.
     malloc_arena_max: int = 2
     malloc_trim_interval_s: float = 30.0
+    # By service: blocks of this many bytes or more get their own mapping, unmapped when freed (a
+    # service not named keeps glibc's threshold, which rises to the largest block freed, up to
+    # 32 MiB); those mappings in transparent huge pages where the kernel offers them. The tts:
+    # ~75 MB less held, synthesis at 0.83x (docs/reliability.md). The others keep glibc's own: what
+    # a fixed one would cost their steps is not measured.
+    malloc_mmap_threshold: dict[str, int] = {"tts": 256 * 1024}
+    malloc_huge_pages: bool = True
     turn_budget_ms: int = 800
     token_stream_ttl_s: int = 3600
     session_ttl_s: int = 24 * 3600

@@ -40,3 +40,48 @@ def test_the_trimming_thread_runs_until_told_to_stop():
     thread.join(2)
     assert not thread.is_alive()
     assert allocator.tune(arena_max=0, trim_interval_s=0) is None  # both off: nothing started
+
+
+
+_WHERE_A_BLOCK_LIVES = """
+import ctypes, os, sys
+from services import allocator
+allocator.exec_with_tunables(int(sys.argv[1]), huge_pages=False)  # a second start where a threshold is asked
+def in_heap(block):
+    address = ctypes.addressof((ctypes.c_char * len(block)).from_buffer(block))
+    for line in open("/proc/self/maps"):
+        span, *rest = line.split()
+        low, high = (int(x, 16) for x in span.split("-"))
+        if low <= address < high:
+            return rest[-1] == "[heap]"
+    raise AssertionError("no mapping holds the block")
+print(os.environ.get("GLIBC_TUNABLES", "-"))
+first = bytearray(4 << 20)  # 4 MiB: above glibc's starting threshold, so mapped on its own
+print(in_heap(first))
+del first                   # glibc's own threshold now rises to 4 MiB
+print(in_heap(bytearray(4 << 20)))
+"""
+
+
+@pytest.mark.skipif(allocator._glibc() is None, reason="glibc's allocator only")
+def test_a_fixed_mmap_threshold_keeps_large_blocks_out_of_the_heap():
+    import os
+    import subprocess
+    import sys
+
+    def placed(threshold: int) -> list[str]:
+        env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+        run = subprocess.run([sys.executable, "-c", _WHERE_A_BLOCK_LIVES, str(threshold)],
+                             capture_output=True, text=True, check=True, env=env)
+        return run.stdout.split()
+
+    # glibc's moving threshold: the second block comes from the heap, where it stays when freed
+    assert placed(0) == ["-", "False", "True"]
+    # fixed at 1 MiB (the process started again with the tunable): both mapped, unmapped when freed
+    assert placed(1 << 20) == ["glibc.malloc.mmap_threshold=1048576", "False", "False"]
+
+
+def test_tunables_are_asked_only_for_a_fixed_threshold():
+    assert allocator.tunables(0, huge_pages=True) == ""
+    assert allocator.tunables(262144, huge_pages=True) == "glibc.malloc.mmap_threshold=262144:glibc.malloc.hugetlb=1"
+    assert allocator.tunables(262144, huge_pages=False) == "glibc.malloc.mmap_threshold=262144"
