@@ -84,6 +84,15 @@ class KVCache:
             max_length = self.length + max_length
         self.length = max(0, min(self.length, max_length))
 
+    def keep_slots(self, first: int, slots: Sequence[int]) -> None:
+        """Move the keys and values at `slots` (ascending, each at or past `first`) to slots first,
+        first + 1, ... and drop everything after them: a verified token tree keeps its accepted path."""
+        if list(slots) != list(range(first, first + len(slots))):
+            index = torch.tensor(list(slots), device=self.keys.device)
+            for buffer in (self.keys, self.values):
+                buffer[:, :, :, first : first + len(slots)] = buffer[:, :, :, index]
+        self.length = first + len(slots)
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row `repeats` times, in place (`DynamicCache`'s; the end-of-turn scorer's marks)."""
         self.keys = self.keys.repeat_interleave(repeats, dim=1)

@@ -163,13 +163,16 @@ class LeanLlama:
         logits_to_keep: int = 0,
         use_cache: bool = True,  # accepted for the transformers call signature; the cache is always kept
         rows_alone: bool = False,
+        visible: torch.Tensor | None = None,
     ) -> LeanOutput:
         """The logits of the last `logits_to_keep` positions (all when 0), the grown cache, and
         `hidden`: the last decoder layer's output at those positions, before the final norm.
 
         `rows_alone`: attend row by row even where the model does not (`row_invariant` false,
         float32), so that with row-invariant products (`exact_rows` > 1) every row of the pass is
-        bit for bit what its own one-token pass computes; at most `DECODE_MAX_TOKENS` tokens."""
+        bit for bit what its own one-token pass computes; at most `DECODE_MAX_TOKENS` tokens.
+        `visible`: bool [B or 1, new, past + new], the slots each new row attends to, in place of
+        the causal mask (a token tree's: pipeline/llm/token_tree.py); with `position_ids`."""
         batch, new = input_ids.shape
         if cache is None:
             cache = KVCache(len(self.layers), batch, self.kv_heads, self.head_dim, self.embed.dtype,
@@ -178,18 +181,20 @@ class LeanLlama:
         decoding = new <= DECODE_MAX_TOKENS
         if rows_alone and not decoding:
             raise ValueError(f"a rows_alone pass holds at most {DECODE_MAX_TOKENS} tokens, not {new}")
+        if visible is not None and (attention_mask is not None or position_ids is None or not decoding):
+            raise ValueError("a visible mask goes with position_ids, without attention_mask, in a decoding pass")
         if self.step is not None and decoding and isinstance(cache, KVCache) and cache.batch == batch:
-            return self._fused_pass(input_ids, cache, attention_mask, position_ids, logits_to_keep)
+            return self._fused_pass(input_ids, cache, attention_mask, position_ids, logits_to_keep, visible)
         if position_ids is None:  # consecutive positions after the cache: a slice of the table
             self._grow_rotary_table(past + new)
             cos, sin = self._cos[None, None, past : past + new], self._sin[None, None, past : past + new]
         else:  # a batch's rows, each at its own positions
             self._grow_rotary_table(int(position_ids.max()) + 1)
             cos, sin = self._cos[position_ids][:, None], self._sin[position_ids][:, None]
-        mask = _attention_mask(attention_mask, past, new, input_ids.device)
+        mask = _attention_mask(attention_mask, past, new, input_ids.device) if visible is None else visible[:, None]
         # attention row by row needs the mask; a one-token pass without padding (no mask) is one row already
         by_row = mask if (self.row_invariant or rows_alone) and decoding else None
-        padded = by_row is not None and (by_row.shape[0] > 1 or not bool(by_row[0, 0, -1].all()))
+        padded = by_row is not None and (by_row.shape[0] > 1 or visible is not None or not bool(by_row[0, 0, -1].all()))
         x, linear = F.embedding(input_ids, self.embed), self.linear if decoding else plain_linear
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
@@ -213,14 +218,18 @@ class LeanLlama:
         return LeanOutput(linear(self.normed(keep), self.lm_head), cache, keep)
 
     def _fused_pass(self, input_ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None,
-                    position_ids: torch.Tensor | None, logits_to_keep: int) -> LeanOutput:
+                    position_ids: torch.Tensor | None, logits_to_keep: int,
+                    visible: torch.Tensor | None = None) -> LeanOutput:
         """A decoding pass whose decoder layers run in one C++ call (`self.step`), every row alone
         (so `rows_alone` holds by construction); the final norm and output matrix as in `__call__`."""
         batch, new = input_ids.shape
         past = cache.get_seq_length()
         self._grow_rotary_table(past + new if position_ids is None else int(position_ids.max()) + 1)
         mask = None if attention_mask is None else _attention_mask(attention_mask, past, new, input_ids.device)
-        visible = None if mask is None else mask[:, 0].expand(batch, new, past + new)  # [B, new, past + new]
+        if visible is None and mask is not None:
+            visible = mask[:, 0]
+        if visible is not None:
+            visible = visible.expand(batch, new, past + new)  # [B, new, past + new]
         start = cache.extend(new)
         x = F.embedding(input_ids, self.embed).view(batch * new, -1)
         x = self.step.forward(x, cache.keys, cache.values, start, self._cos, self._sin, position_ids, visible,

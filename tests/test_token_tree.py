@@ -1,0 +1,129 @@
+"""Token trees (pipeline/llm/token_tree.py): the trie of draft paths, its attention mask, the walk
+that keeps the target's own choices, and one target pass over a tree computing, for every node,
+what plain decoding of its path computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.llm.exact_codes import unavailable_reason
+from pipeline.llm.kv_cache import KVCache
+from pipeline.llm.model import LlmOptions, load_model, rollback
+from pipeline.llm.prompts import Task, chat_messages, encode_chat
+from pipeline.llm.token_tree import TokenTree
+
+PATHS = [[11, 12, 13, 14], [11, 12, 20], [30, 31], [11, 40]]
+
+
+def test_paths_merge_into_a_trie_in_breadth_first_order():
+    tree = TokenTree.from_paths(PATHS, max_nodes=16)
+    # by depth, then in the order the paths made them: 11, 30 | 12 (of 11), 31 (of 30), 40 (of 11) | 13, 20 | 14
+    assert tree.tokens == (11, 30, 12, 31, 40, 13, 20, 14)
+    assert tree.parents == (-1, -1, 0, 1, 0, 2, 2, 5)
+    assert tree.depths() == [1, 1, 2, 2, 2, 3, 3, 4]
+    assert TokenTree.chain([7, 8, 9]) == TokenTree.from_paths([[7, 8, 9]], max_nodes=8)
+
+
+def test_a_node_budget_keeps_the_shallow_nodes_and_never_an_orphan():
+    tree = TokenTree.from_paths(PATHS, max_nodes=4)
+    assert tree.tokens == (11, 30, 12, 31)
+    assert all(p < i for i, p in enumerate(tree.parents))
+    assert TokenTree.from_paths([], max_nodes=4).tokens == ()
+
+
+def test_each_row_sees_the_context_its_ancestors_and_itself():
+    tree = TokenTree.from_paths([[1, 2], [1, 3], [4]], max_nodes=8)  # nodes: 1, 4, 2 (of 1), 3 (of 1)
+    past = 3
+    assert tree.positions(past) == [3, 4, 4, 5, 5]
+    seen = tree.visible(past)
+    assert seen.shape == (5, past + 5)
+    expected = [
+        [1, 1, 1, 1, 0, 0, 0, 0],  # the root: the cache and itself
+        [1, 1, 1, 1, 1, 0, 0, 0],  # 1
+        [1, 1, 1, 1, 0, 1, 0, 0],  # 4
+        [1, 1, 1, 1, 1, 0, 1, 0],  # 2, after 1
+        [1, 1, 1, 1, 1, 0, 0, 1],  # 3, after 1
+    ]
+    assert seen.int().tolist() == expected
+
+
+def test_the_walk_follows_the_targets_own_tokens():
+    tree = TokenTree.from_paths(PATHS, max_nodes=16)
+    choices = {0: 11, 1: 40, 5: 99}  # after the root 11, after node 0 (11) 40, after node 4 (40) 99
+    seen_paths = []
+
+    def target(row: int, path: list[int]) -> int:
+        seen_paths.append(list(path))
+        return choices[row]
+
+    assert tree.walk(target) == ([0, 4], 99)
+    assert seen_paths == [[], [0], [0, 4]]
+    assert tree.walk(lambda row, path: 5) == ([], 5)  # no child holds the target's token: nothing accepted
+
+
+def _decode_path(lean, cache: KVCache, first: int, path_tokens: list[int]) -> torch.Tensor:
+    """Logits [1 + len(path), V] of one-token passes over [first, *path], the cache rolled back after."""
+    held = cache.get_seq_length()
+    rows = [lean(input_ids=torch.tensor([[t]]), cache=cache, logits_to_keep=1).logits[0, 0]
+            for t in [first, *path_tokens]]
+    rollback(cache, held)
+    return torch.stack(rows)
+
+
+def _check_tree_pass(loaded, exact: bool) -> None:
+    lean = loaded.lean
+    prompt = encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, "Why do cats purr?"))
+    tree = TokenTree.from_paths([[253, 1127, 30, 2365], [253, 1127, 288], [260, 3267], [253, 28]], max_nodes=16)
+    with torch.inference_mode():
+        cache = lean(input_ids=torch.tensor([prompt[:-1]]), logits_to_keep=1).cache
+        past = cache.get_seq_length()
+        out = lean(input_ids=torch.tensor([[prompt[-1], *tree.tokens]]), cache=cache,
+                   position_ids=torch.tensor([tree.positions(past)]), visible=tree.visible(past)[None],
+                   logits_to_keep=1 + len(tree))
+        logits = out.logits[0]
+        slots = slice(past, past + 1 + len(tree))
+        tree_keys, tree_values = cache.keys[:, :, :, slots].clone(), cache.values[:, :, :, slots].clone()
+        rollback(cache, past)
+        leaves = [i for i in range(len(tree)) if i not in tree.parents]
+        for leaf in leaves:
+            path, node = [], leaf
+            while node >= 0:
+                path.insert(0, node)
+                node = tree.parents[node]
+            alone = _decode_path(lean, cache, prompt[-1], [tree.tokens[n] for n in path])
+            together = logits[[0, *(n + 1 for n in path)]]
+            if exact:
+                assert torch.equal(together, alone), leaf
+            else:
+                torch.testing.assert_close(together, alone, rtol=0, atol=1e-10)
+        # keep one path: the cache then holds what plain decoding of it wrote, and decoding goes on alike
+        path, after = tree.walk(lambda row, path: [253, 1127, 288, 77][len(path)])
+        assert [tree.tokens[n] for n in path] == [253, 1127, 288] and after == 77
+        cache.length = past + 1 + len(tree)
+        cache.keys[:, :, :, slots], cache.values[:, :, :, slots] = tree_keys, tree_values  # as the tree pass left them
+        cache.keep_slots(past + 1, [past + 1 + n for n in path])
+        assert cache.get_seq_length() == past + 4
+        after_tree = lean(input_ids=torch.tensor([[77]]), cache=cache, logits_to_keep=1).logits[0, 0]
+        rollback(cache, past)
+        for token in [prompt[-1], 253, 1127, 288]:
+            lean(input_ids=torch.tensor([[token]]), cache=cache, logits_to_keep=1)
+        after_plain = lean(input_ids=torch.tensor([[77]]), cache=cache, logits_to_keep=1).logits[0, 0]
+    if exact:
+        assert torch.equal(after_tree, after_plain)
+    else:
+        torch.testing.assert_close(after_tree, after_plain, rtol=0, atol=1e-10)
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+def test_one_fused_pass_over_a_tree_computes_every_path_as_plain_decoding_does():
+    """The bundled target on its own codes (the C++ pass): bit for bit, every node and the cache kept."""
+    loaded = load_model(LlmOptions(dtype="float32", weights="int4-exact"))
+    assert loaded.lean is not None and loaded.lean.step is not None
+    _check_tree_pass(loaded, exact=True)
+
+
+def test_one_pass_of_torch_operations_over_a_tree_computes_every_path_as_plain_decoding_does(tiny_llm_dir):
+    loaded = load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float64"))
+    assert loaded.lean is not None and loaded.lean.step is None
+    _check_tree_pass(loaded, exact=False)
