@@ -7,8 +7,9 @@ installed: the `bench` extra; the row is skipped, with a line saying why, where 
 the target is no GGUF file), specvox
 plain decoding (through the lean Llama pass where the target has one, and through
 transformers' own modules as a control: `specvox-none-transformers`), and specvox with
-each drafter. Throughput is new tokens over wall time, summed
-over the set; `identical_to_greedy` compares every output with HF greedy's and
+each drafter, the ngram and suffix drafters also with their branches verified as token trees
+(`specvox-ngram-tree`, `specvox-suffix-tree`: `llm.draft_branches`, or 3). Throughput is new
+tokens over wall time, summed over the set; `identical_to_greedy` compares every output with HF greedy's and
 `identical_to_plain` with specvox plain decoding's (the reference in a configuration HF
 does not run, such as `llm.weights=int4`). Outside float32 (`llm.weights=int4` with
 bfloat16) the run also times HF greedy on the float32 target (`hf-greedy-float32`), the
@@ -41,6 +42,8 @@ FLOAT32_BASELINE = "hf-greedy-float32"  # HF greedy on the float32 target, when 
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 CONTROL_METHOD = "specvox-none-transformers"  # plain decoding through transformers' modules
 LLAMA_CPP = "llama.cpp"  # greedy on the same GGUF through llama-cpp-python (the `llamacpp` extra)
+TREE = "-tree"  # a model-free drafter's row with its branches verified as a token tree
+TREE_BRANCHES = 3  # the tree rows' branches where llm.draft_branches is 0
 
 
 def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
@@ -55,7 +58,8 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
                                                            lean_forward=False)))
     llama_cpp = LlamaCpp.for_target(settings.llm.model, loaded.context_tokens)
     methods = ["hf-greedy", *([FLOAT32_BASELINE] if float32 else []), "hf-prompt-lookup",
-               *([LLAMA_CPP] if llama_cpp else []), CONTROL_METHOD, *[f"specvox-{d}" for d in generator.drafters]]
+               *([LLAMA_CPP] if llama_cpp else []), CONTROL_METHOD, *[f"specvox-{d}" for d in generator.drafters],
+               *[f"specvox-{d}{TREE}" for d in ("ngram", "suffix")]]
     print(f"torch threads {torch.get_num_threads()}, {settings.llm.dtype} on {settings.llm.device}", flush=True)
     runners = {CONTROL_METHOD: control, **({FLOAT32_BASELINE: float32} if float32 else {})}
     for hf_runner in (generator, *([float32] if float32 else [])):
@@ -133,9 +137,10 @@ def _measure(method: str, generator: Generator, prompt: list[int], max_new: int,
     elif method.startswith("hf-"):
         out = _hf_generate(generator, prompt, max_new, method == "hf-prompt-lookup")
     else:
-        drafter = "none" if method == CONTROL_METHOD else method.removeprefix("specvox-")
+        drafter = "none" if method == CONTROL_METHOD else method.removeprefix("specvox-").removesuffix(TREE)
+        branches = (options.draft_branches or TREE_BRANCHES) if method.endswith(TREE) else 0
         request = GenerationRequest(tuple(prompt), max_new, drafter, max_draft_tokens=options.max_draft_tokens,
-                                    adaptive_draft=options.adaptive_draft)
+                                    adaptive_draft=options.adaptive_draft, draft_branches=branches)
         out = [t for step in generator.steps(request) for t in step.token_ids]
         steps, tokens = generator.last_stats.steps, generator.last_stats.new_tokens
     seconds = time.perf_counter() - started

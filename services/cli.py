@@ -355,7 +355,8 @@ def generate(settings, args) -> int:
     prompt = encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, args.prompt))
     sampling = SamplingOptions(args.temperature, args.top_k, args.top_p, seed=args.seed).validate()
     request = GenerationRequest(tuple(prompt), args.max_new_tokens, args.drafter or options.drafter, sampling,
-                                max_draft_tokens=options.max_draft_tokens, adaptive_draft=options.adaptive_draft)
+                                max_draft_tokens=options.max_draft_tokens, adaptive_draft=options.adaptive_draft,
+                                draft_branches=options.draft_branches)
     token_ids, text = [], ""
     for step in generator.steps(request):
         token_ids += step.token_ids

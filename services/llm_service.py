@@ -321,7 +321,7 @@ class LlmServicer(pb_grpc.LlmServicer):
         generation = GenerationRequest(
             tuple(kept["prompt"]), kept["max_new_tokens"], kept["drafter"], _sampling(request.sampling),
             max_draft_tokens=kept["max_draft_tokens"], adaptive_draft=options.adaptive_draft,
-            stop_strings=tuple(request.stop), session_key=request.session_id)
+            draft_branches=options.draft_branches, stop_strings=tuple(request.stop), session_key=request.session_id)
         self.generator.check(generation)
         return generation, tuple(kept["degradations"])
 
@@ -346,7 +346,7 @@ class LlmServicer(pb_grpc.LlmServicer):
         generation = GenerationRequest(
             tuple(prompts[plan.prompt][1]), plan.max_new_tokens, plan.drafter, _sampling(request.sampling),
             max_draft_tokens=plan.max_draft_tokens, adaptive_draft=options.adaptive_draft,
-            stop_strings=tuple(request.stop), session_key=key)
+            draft_branches=options.draft_branches, stop_strings=tuple(request.stop), session_key=key)
         self.generator.check(generation)
         return generation, plan
 

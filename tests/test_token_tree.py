@@ -7,11 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from bench.prompts import load_prompts
+from pipeline.llm import engine
+from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.exact_codes import unavailable_reason
 from pipeline.llm.kv_cache import KVCache
 from pipeline.llm.model import LlmOptions, load_model, rollback
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
+from pipeline.llm.sampling import SamplingOptions
 from pipeline.llm.token_tree import TokenTree
+
+needs_kernel = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 
 PATHS = [[11, 12, 13, 14], [11, 12, 20], [30, 31], [11, 40]]
 
@@ -115,15 +121,66 @@ def _check_tree_pass(loaded, exact: bool) -> None:
         torch.testing.assert_close(after_tree, after_plain, rtol=0, atol=1e-10)
 
 
-@pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
-def test_one_fused_pass_over_a_tree_computes_every_path_as_plain_decoding_does():
+@pytest.fixture(scope="module")
+def exact():
+    return load_model(LlmOptions(dtype="float32", weights="int4-exact"))
+
+
+@needs_kernel
+def test_one_fused_pass_over_a_tree_computes_every_path_as_plain_decoding_does(exact):
     """The bundled target on its own codes (the C++ pass): bit for bit, every node and the cache kept."""
-    loaded = load_model(LlmOptions(dtype="float32", weights="int4-exact"))
-    assert loaded.lean is not None and loaded.lean.step is not None
-    _check_tree_pass(loaded, exact=True)
+    assert exact.lean is not None and exact.lean.step is not None
+    _check_tree_pass(exact, exact=True)
 
 
 def test_one_pass_of_torch_operations_over_a_tree_computes_every_path_as_plain_decoding_does(tiny_llm_dir):
     loaded = load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float64"))
     assert loaded.lean is not None and loaded.lean.step is None
     _check_tree_pass(loaded, exact=False)
+
+
+def _replies(generator: Generator, drafter: str, branches: int, sampling: SamplingOptions, count: int = 3,
+             max_new: int = 40) -> list[tuple[int, ...]]:
+    prompts = load_prompts()
+    tokenizer = generator.loaded.tokenizer
+    out = []
+    for task, texts in ((Task.CAPTION, prompts["caption"]), (Task.DIALOGUE, prompts["dialogue"])):
+        for text in texts[:count]:
+            ids = tuple(encode_chat(tokenizer, chat_messages(task, text)))
+            request = GenerationRequest(ids, max_new, drafter, sampling, draft_branches=branches)
+            out.append(tuple(t for step in generator.steps(request) for t in step.token_ids))
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("drafter", ["ngram", "suffix"])
+def test_replies_drafted_as_trees_are_plain_decodings_replies(exact, drafter, monkeypatch):
+    """Greedy and seeded sampling: token for token what plain decoding says, trees verified on the way,
+    some of their tokens accepted from a branch other than the draft."""
+    walks: list[tuple[int, int]] = []  # (nodes, the first accepted node)
+    verify_tree = engine.RequestDecoder._verify_tree
+
+    def counted(self, tree, *args, **kwargs):
+        accepted = verify_tree(self, tree, *args, **kwargs)
+        walks.append((len(tree), self.kept[0] if self.kept else -1))
+        return accepted
+
+    monkeypatch.setattr(engine.RequestDecoder, "_verify_tree", counted)
+    generator = Generator(exact)
+    for sampling in (SamplingOptions(), SamplingOptions(temperature=0.8, top_p=0.95, seed=11)):
+        plain = _replies(generator, "none", 0, sampling)
+        assert _replies(generator, drafter, 3, sampling) == plain
+    assert walks, "no tree was verified"
+    first_tokens = {first for _, first in walks}
+    assert any(first > 0 for first in first_tokens), "no token accepted from a branch"
+
+
+def test_trees_through_torchs_operations_decode_as_plain_decoding(tiny_llm_dir):
+    loaded = load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float64"))
+    generator = Generator(loaded)
+    prompt = (5, 9, 12, 7, 3, 5, 9, 40, 5, 9, 12, 8)
+    for sampling in (SamplingOptions(), SamplingOptions(temperature=1.0, seed=3)):
+        plain = [t for s in generator.steps(GenerationRequest(prompt, 30, "none", sampling)) for t in s.token_ids]
+        tree = [t for s in generator.steps(GenerationRequest(prompt, 30, "ngram", sampling, draft_branches=3))
+                for t in s.token_ids]
+        assert tree == plain

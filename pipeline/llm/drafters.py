@@ -25,6 +25,8 @@ class Draft:
     tokens: tuple[int, ...]
     q: torch.Tensor | None = None  # [len(tokens), V] when the drafter has a distribution
     match: int = 0  # model-free drafters: length of the matched suffix, their confidence
+    # other continuations a model-free drafter found, by preference, for a token tree (token_tree.py)
+    branches: tuple[tuple[int, ...], ...] = ()
 
 
 EMPTY = Draft(())
@@ -61,19 +63,26 @@ class PromptLookupDrafter:
     name = "ngram"
     model_free = True
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, branches: int = 0) -> None:
+        """`branches`: besides the draft, up to this many other continuations (of other occurrences
+        of the same n-gram, then of shorter ones), for a token tree."""
+        self.max_ngram, self.min_ngram, self.branches = max_ngram, min_ngram, branches
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         tokens = list(context)
+        found: list[tuple[int, ...]] = []
+        match = 0
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             tail = tokens[-n:]
             for start in range(len(tokens) - n - 1, -1, -1):  # latest occurrence first
                 if tokens[start : start + n] == tail:
-                    follow = tokens[start + n : start + n + k]
-                    if follow:
-                        return Draft(tuple(follow), match=n)
-        return EMPTY
+                    follow = tuple(tokens[start + n : start + n + k])
+                    if follow and follow not in found:
+                        match = match or n
+                        found.append(follow)
+                        if len(found) > self.branches:
+                            return Draft(found[0], match=match, branches=tuple(found[1:]))
+        return Draft(found[0], match=match, branches=tuple(found[1:])) if found else EMPTY
 
     def commit(self, context: Sequence[int]) -> None:
         pass
@@ -149,11 +158,21 @@ class SuffixDrafter:
     name = "suffix"
     model_free = True
 
-    def __init__(self, min_match: int = 1, max_context: int = 64, max_memory_tokens: int = MEMORY_TOKENS) -> None:
+    def __init__(self, min_match: int = 1, max_context: int = 64, max_memory_tokens: int = MEMORY_TOKENS,
+                 branches: int = 0) -> None:
         self.min_match, self.max_context, self.max_memory_tokens = min_match, max_context, max_memory_tokens
         self.memory = SuffixAutomaton()  # the session's past
-        self._lookup = PromptLookupDrafter(max_ngram=8, min_ngram=min_match)
+        self._lookup = PromptLookupDrafter(max_ngram=8, min_ngram=min_match, branches=branches)
         self._separator = -1  # never a token id: matches never run across two utterances
+
+    @property
+    def branches(self) -> int:
+        """Other continuations proposed beside the draft (from this reply's own n-grams), for a token tree."""
+        return self._lookup.branches
+
+    @branches.setter
+    def branches(self, count: int) -> None:
+        self._lookup.branches = count
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         local = self._lookup.propose(context, k)
@@ -161,7 +180,8 @@ class SuffixDrafter:
         if matched >= self.min_match and matched > local.match:
             remembered = self._follow(self.memory.text, end, k)
             if remembered:
-                return Draft(remembered, match=matched)
+                others = [b for b in (local.tokens, *local.branches) if b and b != remembered]
+                return Draft(remembered, match=matched, branches=tuple(others[: self.branches]))
         return local
 
     def commit(self, context: Sequence[int]) -> None:

@@ -41,6 +41,7 @@ from pipeline.llm.drafters import (
     PromptLookupDrafter,
     SuffixDrafter,
 )
+from pipeline.llm.kv_cache import KVCache
 from pipeline.llm.lean_llama import LeanLlama
 from pipeline.llm.model import (
     LlmOptions,
@@ -59,10 +60,13 @@ from pipeline.llm.sampling import (
     PositionalRandom,
     SamplingOptions,
     apply_repetition_penalty,
+    generator_at,
     greedy_verify,
     logits_to_probs,
+    sample,
     speculative_verify,
 )
+from pipeline.llm.token_tree import TokenTree
 
 MODEL_FREE_DRAFTERS = ("none", "ngram", "suffix")
 EARLY_EXIT = "early-exit"
@@ -72,6 +76,7 @@ QUANTIZED = "quantized"  # the target's own weights at 4 bits (model.quantized_s
 # sessions grow toward 256 full memories (~0.5 GB); a dropped session drafts from its prompt again.
 REMEMBERED_TOKENS = 65_536
 SEEDED_DRAFT_COST = 0.25  # one draft step / one target step, assumed (not timed) for seeded sampling
+TREE_MAX_NODES = 16  # a token tree's nodes at most: the verification pass's rows grow with them
 REPLAY_ROWS = 16  # tokens per catch-up pass of a transformers drafter under seeded sampling (see ModelDrafter)
 
 
@@ -114,6 +119,9 @@ class GenerationRequest:
     sampling: SamplingOptions = SamplingOptions()
     max_draft_tokens: int = 8
     adaptive_draft: bool = True
+    # A model-free drafter's other continuations, verified with its draft as a token tree in one
+    # pass (pipeline/llm/token_tree.py; alone, not in a batch): 0, a plain draft.
+    draft_branches: int = 0
     stop_strings: tuple[str, ...] = ()
     session_key: str = ""  # lets the suffix drafter remember what this session said, and the prefix cache its KV
     resume_tokens: tuple[int, ...] = ()  # the reply's tokens already accepted (the token log's, in order)
@@ -330,9 +338,11 @@ class Generator:
         its passes fall (`ModelDrafter`'s `exact_rows`), so that a resumed reply drafts as the
         uninterrupted one did."""
         if request.drafter == "ngram":
-            return PromptLookupDrafter()
+            return PromptLookupDrafter(branches=request.draft_branches)
         if request.drafter == "suffix":
-            return self._memory(request.session_key, len(request.prompt_ids) + request.max_new_tokens + 1)
+            memory = self._memory(request.session_key, len(request.prompt_ids) + request.max_new_tokens + 1)
+            memory.branches = request.draft_branches
+            return memory
         if request.drafter in self.draft_heads:
             start = len(request.prompt_ids)
             return self.draft_heads[request.drafter].drafter(request.sampling, None if random is None else
@@ -376,7 +386,7 @@ class Generator:
                 draft_cost=0.0 if drafter.model_free else SEEDED_DRAFT_COST, measure_draft_cost=False)
         matches, shared = None, None
         if drafter.model_free:
-            key = (drafter.name, request.max_draft_tokens)
+            key = (_measured_as(request, drafter), request.max_draft_tokens)
             matches = self._match_acceptance.setdefault(key, MatchAcceptance(request.max_draft_tokens))
         else:
             shared = self._draft_costs.setdefault(drafter.name, DraftCost())
@@ -389,7 +399,7 @@ class Generator:
         if drafter.name == "none" or not request.adaptive_draft or (
                 request.sampling.seed is not None and not request.sampling.greedy):
             return None
-        return self.guards.setdefault(drafter.name, DraftGuard())
+        return self.guards.setdefault(_measured_as(request, drafter), DraftGuard())
 
     def _memory(self, session_key: str, incoming: int) -> SuffixDrafter:
         """`session_key`'s suffix memory, the least recently used others dropped to leave room
@@ -444,6 +454,8 @@ class RequestDecoder:
         # every position drafted (see the class's docstring): seeded sampling with a model drafter
         self.draft_every_position = self.random is not None and not self.sampling.greedy and not self.drafter.model_free
         self.draft: list[int] = []
+        self.tree: TokenTree | None = None  # the draft as a token tree (its nodes' tokens are `draft`)
+        self.kept: list[int] = []  # the tree's nodes the last verify accepted, root to leaf
         self.phantom: int | None = None  # the draft for the position past the verified ones
         self.draft_q: torch.Tensor | None = None
         self.draft_s = 0.0
@@ -472,9 +484,10 @@ class RequestDecoder:
         self.stats.prefix_cached_tokens, self.stats.prefill_s = cached_tokens, seconds
         self.costs.observe_prefill(len(self.context) - 1 - cached_tokens, seconds)
 
-    def propose(self, max_gamma: int | None = None, drafting: bool | None = None) -> None:
+    def propose(self, max_gamma: int | None = None, drafting: bool | None = None, tree: bool = False) -> None:
         """This step's draft; `max_gamma` caps it below the request's own limit (a batch's budget).
-        `drafting`: a batch's guard's decision, in place of the request's own guard's (None: its own)."""
+        `drafting`: a batch's guard's decision, in place of the request's own guard's (None: its own).
+        `tree`: the caller can verify a token tree (`self.tree`), where the drafter found branches."""
         limit = self.request.max_new_tokens - len(self.new) - 1  # the step commits one token of its own
         if max_gamma is not None:
             limit = min(limit, max_gamma)
@@ -498,6 +511,11 @@ class RequestDecoder:
         synchronize(self.device)
         self.draft_s = time.perf_counter() - started
         self.draft, self.match = list(draft.tokens[:gamma]), draft.match
+        self.tree = None
+        if tree and gamma and draft.branches:
+            paths = [draft.tokens[:gamma], *(b[:gamma] for b in draft.branches)]
+            self.tree = TokenTree.from_paths(paths, max_nodes=TREE_MAX_NODES)
+            self.draft = list(self.tree.tokens)
         self.phantom = draft.tokens[gamma] if self.draft_every_position and len(draft.tokens) > gamma else None
         rows = len(self.draft) + (self.phantom is not None)
         self.draft_q = None if draft.q is None else draft.q[:rows]
@@ -511,6 +529,8 @@ class RequestDecoder:
         `features`: the pass's last-layer outputs [γ+1, D] (`LeanOutput.hidden`), for a head drafter.
         """
         x = self.draft
+        if self.tree is not None:
+            return self._verify_tree(self.tree, logits, target_s, own_pass)
         logits = apply_repetition_penalty(logits, self.context, x, self.sampling.repetition_penalty)
         if self.sampling.greedy:
             n, next_token = greedy_verify(x, logits)
@@ -524,6 +544,24 @@ class RequestDecoder:
         self.context += self.committed
         self._account(len(x), n, target_s, own_pass)
         return n
+
+    def _verify_tree(self, tree: TokenTree, logits: torch.Tensor, target_s: float, own_pass: bool) -> int:
+        """Walk the tree [1 + nodes, V] by the target's own token after each accepted node: the
+        argmax, or the draw of that reply position (token_tree.py: the output is the target's)."""
+        at = self._random_at(len(self.context) - self.prompt_len)
+
+        def target_token(row: int, path: list[int]) -> int:
+            seen = [*self.context, *(tree.tokens[n] for n in path)]
+            row_logits = apply_repetition_penalty(logits[row : row + 1], seen, (), self.sampling.repetition_penalty)
+            if self.sampling.greedy:
+                return int(torch.argmax(row_logits[0]))
+            return sample(logits_to_probs(row_logits, self.sampling)[0], generator_at(at, len(path)))
+
+        self.kept, next_token = tree.walk(target_token)
+        self.committed = [*(tree.tokens[n] for n in self.kept), next_token]
+        self.context += self.committed
+        self._account(len(tree), len(self.kept), target_s, own_pass)
+        return len(self.kept)
 
     def observe_features(self, first: int, features: torch.Tensor) -> None:
         """A head drafter's input: the target's last-layer outputs [m, D] of context positions first..."""
@@ -597,6 +635,11 @@ class RequestDecoder:
         return self.text[before:cut] if cut > before else "", "stop"
 
 
+def _measured_as(request: GenerationRequest, drafter: Drafter) -> str:
+    """The name a drafter's measurements go under: its trees cost and win otherwise than its chains."""
+    return f"{drafter.name}-tree" if request.draft_branches and drafter.model_free else drafter.name
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, so a timer around it measures the work (CUDA runs asynchronously)."""
     if device.type == "cuda":
@@ -612,6 +655,8 @@ class _Run:
         room = len(request.prompt_ids) + request.max_new_tokens + request.max_draft_tokens + 1
         self.cache = new_kv_cache(self.loaded.model, room, generator.static_cache)
         self.features: torch.Tensor | None = None  # the last pass's features (`LeanOutput.hidden`)
+        # token trees need the lean pass's tree mask and a cache whose slots move
+        self.trees = request.draft_branches > 0 and isinstance(self.forward, LeanLlama)
 
     def steps(self, should_stop: Callable[[], bool]) -> Iterator[DecodeStep]:
         decoder = self.decoder
@@ -625,11 +670,16 @@ class _Run:
                 self.generator.remember(decoder, self.cache)
                 yield decoder.cancelled()
                 return
-            decoder.propose()
+            decoder.propose(tree=self.trees and isinstance(self.cache, KVCache))
+            past = len(decoder.context) - 1
             started = time.perf_counter()
-            logits = self._forward([decoder.context[-1], *decoder.draft], keep_logits=len(decoder.draft) + 1)
+            logits = self._forward([decoder.context[-1], *decoder.draft], keep_logits=len(decoder.draft) + 1,
+                                   tree=decoder.tree)
             synchronize(self.loaded.device)  # time the pass, not its launch: the cost model learns from it
             decoder.verify(logits, time.perf_counter() - started, features=self.features)
+            if decoder.tree is not None:  # the accepted path's keys and values, moved after the root's
+                assert isinstance(self.cache, KVCache)
+                self.cache.keep_slots(past + 1, [past + 1 + node for node in decoder.kept])
             rollback(self.cache, len(decoder.context) - 1)  # drop the keys and values of the rejected tail
             step = decoder.emit()
             if step.finish_reason:
@@ -638,9 +688,15 @@ class _Run:
                 return
             yield step
 
-    def _forward(self, tokens: list[int], keep_logits: int) -> torch.Tensor:
+    def _forward(self, tokens: list[int], keep_logits: int, tree: TokenTree | None = None) -> torch.Tensor:
         ids = torch.tensor([tokens], device=self.loaded.device)
-        out = self.forward(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=keep_logits)
+        extra = {}
+        if tree is not None:
+            assert isinstance(self.cache, KVCache)
+            past = self.cache.get_seq_length()
+            extra = {"position_ids": torch.tensor([tree.positions(past)], device=self.loaded.device),
+                     "visible": tree.visible(past, self.loaded.device)[None]}
+        out = self.forward(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=keep_logits, **extra)
         self.cache = out.cache
         hidden = getattr(out, "hidden", None)  # the lean pass's features, which a head drafter reads
         self.features = None if hidden is None else hidden[0]
