@@ -170,12 +170,22 @@ def g_test(counts: Counter, probs: dict[Outcome, float]) -> TestResult:
     return TestResult(round(g, 3), df, 0.0 if impossible else p_value, len(expected), impossible)
 
 
+TREE = "-tree"  # a model-free drafter with its branches verified as a token tree (one reply at a time)
+TREE_BRANCHES = 3
+
+
+def sampled_drafters(generator: Generator) -> list[str]:
+    """Every drafter the engine offers, and the model-free ones again as token trees."""
+    return [*generator.drafters, *(f"{d}{TREE}" for d in ("ngram", "suffix"))]
+
+
 def _request(prompt: Sequence[int], drafter: str, options: SamplingOptions, length: int, gamma: int,
              seed: int | None, session: str) -> GenerationRequest:
     """A reply long enough for a first step of γ drafts and for the outcome; a fixed γ."""
-    return GenerationRequest(tuple(prompt), max(length, gamma + 1), drafter,
+    branches = TREE_BRANCHES if drafter.endswith(TREE) else 0
+    return GenerationRequest(tuple(prompt), max(length, gamma + 1), drafter.removesuffix(TREE),
                              dataclasses.replace(options, seed=seed), max_draft_tokens=gamma,
-                             adaptive_draft=False, session_key=session)
+                             adaptive_draft=False, draft_branches=branches, session_key=session)
 
 
 def _seed(seed: int, i: int) -> int | None:
@@ -188,7 +198,7 @@ def sample_outcomes(generator: Generator, prompt: Sequence[int], drafter: str, o
     """{outcome: replies} over `n` replies sampled through the engine, one at a time (`rows` 1) or
     `rows` at a time through the batch (`BatchedDecoder`); a reply stops once it has `length` tokens."""
     torch.manual_seed(seed)
-    if rows > 1:
+    if rows > 1 and not drafter.endswith(TREE):  # a batch verifies no trees
         return _sample_batched(generator, prompt, drafter, options, n, length, gamma, seed, rows)
     samples = Samples(Counter())
     for i in range(n):
@@ -295,7 +305,7 @@ def run(settings, samples: int, json_path: str | None, prompts: int = len(PROMPT
     generator = Generator.from_options(load_model(options), options)
     tokenizer = generator.loaded.tokenizer
     encoded = [list(tokenizer.encode(text)) for text in PROMPTS[: max(1, prompts)]]  # type: ignore[attr-defined]
-    cases = [Case(p, d, s) for p in range(len(encoded)) for s in SAMPLINGS for d in generator.drafters]
+    cases = [Case(p, d, s) for p in range(len(encoded)) for s in SAMPLINGS for d in sampled_drafters(generator)]
     drafter = (model_drafters(generator) or ["none"])[0]
     controls = [Case(0, "none", "t1.0", "temperature"), Case(0, drafter, "t1.0", "rule")]
     threshold = alpha / len(cases)
