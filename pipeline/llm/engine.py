@@ -151,9 +151,10 @@ class GenerationStats:
     prefill_s: float = 0.0
     resumed_tokens: int = 0  # of the reply, from its log (not in new_tokens, which this request committed)
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, nodes: int | None = None) -> None:
+        """A step that drafted `drafted` positions (a tree: its depth, `nodes` tokens) and accepted `accepted`."""
         self.steps += 1
-        self.drafted_tokens += drafted
+        self.drafted_tokens += drafted if nodes is None else nodes
         self.accepted_draft_tokens += accepted
         grow = max(0, drafted - len(self.drafted_at))
         self.drafted_at += [0] * grow
@@ -560,7 +561,7 @@ class RequestDecoder:
         self.kept, next_token = tree.walk(target_token)
         self.committed = [*(tree.tokens[n] for n in self.kept), next_token]
         self.context += self.committed
-        self._account(len(tree), len(self.kept), target_s, own_pass)
+        self._account(max(tree.depths()), len(self.kept), target_s, own_pass, nodes=len(tree))
         return len(self.kept)
 
     def observe_features(self, first: int, features: torch.Tensor) -> None:
@@ -606,17 +607,19 @@ class RequestDecoder:
         self.drafter.commit(self.context)
         return dataclasses.replace(step, stats=self.stats)
 
-    def _account(self, drafted: int, accepted: int, target_s: float, own_pass: bool) -> None:
+    def _account(self, drafted: int, accepted: int, target_s: float, own_pass: bool, nodes: int | None = None) -> None:
+        """`drafted`: the draft's length, or a tree's depth; `nodes`: a tree's tokens (the pass's rows but one)."""
+        nodes = drafted if nodes is None else nodes
         self.stats.predicted_speedup_sum += self.control.predicted_speedup(drafted, self.drafter.model_free)
-        self.stats.record(drafted, accepted)
+        self.stats.record(drafted, accepted, nodes)
         self.stats.draft_s += self.draft_s
         self.stats.target_s += target_s
         if own_pass:
-            self.control.verify.observe(drafted + 1, target_s)
+            self.control.verify.observe(nodes + 1, target_s)
             if self.guard_drafts and self.guard is not None:
                 self.guard.observe(target_s + self.draft_s, accepted + 1, self.control.verify.seconds(1))
-        self.costs.observe_step(self.drafter.name, drafted, accepted + 1, target_s + self.draft_s)
-        plain_step_s = target_s / (1 + self.control.verify_cost_per_token * drafted)
+        self.costs.observe_step(self.drafter.name, nodes, accepted + 1, target_s + self.draft_s)
+        plain_step_s = target_s / (1 + self.control.verify_cost_per_token * nodes)
         # c from the drafter's steady passes only: a catch-up over many tokens is not a draft token's price
         steady_s = getattr(self.drafter, "steady_pass_s", None) if drafted else None
         cost = steady_s / plain_step_s if steady_s is not None and not self.drafter.model_free else None
