@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     draft.add_argument("--evaluate-only", action="store_true", help="evaluate the artifact at --out, no training")
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
     bench.add_argument("what", choices=["turn", "asr", "spec", "spec-plots", "step", "tts", "batch", "e2e",
-                                        "end-of-turn", "fuzz", "soak", "faults", "lossless"])
+                                        "end-of-turn", "fuzz", "soak", "faults", "lossless", "tts-allocator"])
     bench.add_argument("--drafter", default="suffix", help="spec-plots: the drafter swept over draft lengths")
     bench.add_argument("--out", default="docs", help="spec-plots, e2e, soak: folder for the PNGs (and JSON)")
     bench.add_argument("--turns", type=int, default=8,
@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="asr: time a feed by wall time, or by this process's CPU time (a busy machine)")
     bench.add_argument("--cases", type=int, default=200, help="fuzz: hypothesis cases per gRPC method")
     bench.add_argument("--seed", type=int, help="fuzz: hypothesis seed (default: a random one, printed)")
-    bench.add_argument("--minutes", type=float, default=30.0, help="soak: how long the conversations run")
+    bench.add_argument("--minutes", type=float, default=30.0,
+                       help="soak: how long the conversations run; tts-allocator: how long each variant is hammered")
     bench.add_argument("--sample-s", type=float, default=5.0, help="soak: seconds between memory samples")
     bench.add_argument("--faults", type=int, default=20, help="faults: faults injected of each kind")
     bench.add_argument("--replies", type=int, default=400,
@@ -200,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench import soak
 
             return soak.run(settings, args.minutes, int(args.sessions or 4), args.json_path, args.out, args.sample_s)
+        if args.what == "tts-allocator":
+            from bench import tts_allocator
+
+            return tts_allocator.run(settings, args.minutes, args.json_path)
         if args.what == "faults":
             from bench import faults
 
