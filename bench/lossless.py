@@ -170,7 +170,7 @@ def g_test(counts: Counter, probs: dict[Outcome, float]) -> TestResult:
     return TestResult(round(g, 3), df, 0.0 if impossible else p_value, len(expected), impossible)
 
 
-TREE = "-tree"  # a model-free drafter with its branches verified as a token tree (one reply at a time)
+TREE = "-tree"  # a model-free drafter with its branches verified as a token tree
 TREE_BRANCHES = 3
 
 
@@ -198,7 +198,7 @@ def sample_outcomes(generator: Generator, prompt: Sequence[int], drafter: str, o
     """{outcome: replies} over `n` replies sampled through the engine, one at a time (`rows` 1) or
     `rows` at a time through the batch (`BatchedDecoder`); a reply stops once it has `length` tokens."""
     torch.manual_seed(seed)
-    if rows > 1 and not drafter.endswith(TREE):  # a batch verifies no trees
+    if rows > 1:
         return _sample_batched(generator, prompt, drafter, options, n, length, gamma, seed, rows)
     samples = Samples(Counter())
     for i in range(n):

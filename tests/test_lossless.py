@@ -5,8 +5,8 @@ Sampling (bench/lossless.py has the method; `specvox bench lossless` is the full
 A reply's outcome is its first two tokens; the target's exact distribution of outcomes comes
 from its own probabilities (no sampling), and replies sampled through the engine with every
 drafter `Generator.drafters` lists, at a fixed draft length of 2, batched eight rows a pass,
-and with ngram's and suffix's branches verified as token trees (one reply at a time: a batch
-verifies no trees), are counted by outcome. Half of them are seeded. A G-test per case compares counts with
+and with ngram's and suffix's branches verified as token trees, are counted by outcome. Half of
+them are seeded. A G-test per case compares counts with
 expectations. The options are temperatures 0.3, 0.7, 1.0, 1.5 and top-k and top-p: plain
 sampling runs at each, every drafter at two of them in turn (`ci_grid`); the benchmark runs
 every drafter at every option.

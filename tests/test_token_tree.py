@@ -184,3 +184,32 @@ def test_trees_through_torchs_operations_decode_as_plain_decoding(tiny_llm_dir):
         tree = [t for s in generator.steps(GenerationRequest(prompt, 30, "ngram", sampling, draft_branches=3))
                 for t in s.token_ids]
         assert tree == plain
+
+
+@needs_kernel
+def test_rows_of_a_batch_drafted_as_trees_are_plain_decodings_replies(exact, monkeypatch):
+    """Four replies in one batch, ngram trees beside plain drafts and padding: each row's tokens are
+    its plain decoding's, greedy and seeded, and the kept paths' slots serve the later passes."""
+    from pipeline.llm.batch import BatchedDecoder
+
+    trees = []
+    verify_tree = engine.RequestDecoder._verify_tree
+    monkeypatch.setattr(engine.RequestDecoder, "_verify_tree",
+                        lambda self, tree, *a, **k: trees.append(len(tree)) or verify_tree(self, tree, *a, **k))
+    generator = Generator(exact)
+    prompts = load_prompts()
+    encoded = [tuple(encode_chat(exact.tokenizer, chat_messages(task, text)))
+               for task, text in ((Task.CAPTION, prompts["caption"][0]), (Task.CAPTION, prompts["caption"][1]),
+                                  (Task.DIALOGUE, prompts["dialogue"][0]), (Task.DIALOGUE, prompts["dialogue"][1]))]
+    for sampling in (SamplingOptions(), SamplingOptions(temperature=0.8, seed=5)):
+        plain = [tuple(t for s in generator.steps(GenerationRequest(ids, 40, "none", sampling)) for t in s.token_ids)
+                 for ids in encoded]
+        decoder = BatchedDecoder(generator, 4, max_verify_tokens=None)
+        rows = {id(decoder.add(GenerationRequest(ids, 40, drafter, sampling, draft_branches=3))): i
+                for i, (ids, drafter) in enumerate(zip(encoded, ["ngram", "suffix", "ngram", "none"], strict=True))}
+        got: list[list[int]] = [[] for _ in encoded]
+        while decoder.active:
+            for row, step in decoder.step():
+                got[rows[id(row)]].extend(step.token_ids)
+        assert [tuple(g) for g in got] == plain
+    assert trees, "no tree was verified in the batch"

@@ -43,6 +43,7 @@ import torch
 from pipeline.llm.draft_length import DraftGuard, VerifyCost
 from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator, RequestDecoder
 from pipeline.llm.kv_cache import cache_like, layer_tensors, replace_layers
+from pipeline.llm.lean_llama import LeanLlama
 
 COMPACT_MIN_HOLES = 32  # compact once every row has at least this many dead slots …
 COMPACT_FRACTION = 0.25  # … and they are this share of the cache
@@ -159,14 +160,21 @@ class BatchedDecoder:
         if not self.rows:
             return out
         drafting = self.guard.drafting() if any(row.guard is not None for row in self.rows) else None
+        trees = isinstance(self.generator.forward, LeanLlama)  # its passes take a tree's attention mask
         for row in self.rows:
-            row.propose(self.max_gamma, drafting)
+            row.propose(self.max_gamma, drafting, tree=trees)
         logits, target_s = self._verify_forward()
         finished = []
+        root = self.kept.shape[1] - logits.shape[1]  # the slot of each row's last context token
         for i, row in enumerate(self.rows):
             n = row.verify(logits[i, : len(row.draft) + 1], target_s, own_pass=False,
                            features=None if self.features is None else self.features[i, : len(row.draft) + 1])
-            self.kept[i, self.kept.shape[1] - logits.shape[1] + n + 1:] = False  # the rejected tail and padding
+            if row.tree is None:
+                self.kept[i, root + n + 1:] = False  # the rejected tail and padding
+            else:  # a tree's accepted path stays where the pass wrote it: later passes skip the holes
+                path = torch.zeros(logits.shape[1], dtype=torch.bool, device=self.kept.device)
+                path[[0, *(1 + node for node in row.kept)]] = True
+                self.kept[i, root:] &= path
             step = row.emit()
             out.append((row, step))
             if step.finish_reason:
@@ -197,13 +205,17 @@ class BatchedDecoder:
             ids[i, : len(tokens)] = torch.tensor(tokens)
             live[i, : len(tokens)] = True
             positions[i] = torch.arange(len(row.context) - 1, len(row.context) - 1 + width)
+            if row.tree is not None:
+                positions[i, : len(tokens)] = torch.tensor(row.tree.positions(len(row.context) - 1))
         device = self.loaded.device
         live = live.to(device)
         mask = torch.cat([self.kept, live], dim=1)
+        extra = {"attention_mask": mask.long()}
+        if any(row.tree is not None for row in self.rows):
+            extra = {"visible": self._tree_mask(width, live)}
         started = time.perf_counter()
-        result = self.generator.forward(input_ids=ids.to(device), attention_mask=mask.long(),
-                                        position_ids=positions.to(device), cache=self.cache, use_cache=True,
-                                        logits_to_keep=width)
+        result = self.generator.forward(input_ids=ids.to(device), position_ids=positions.to(device),
+                                        cache=self.cache, use_cache=True, logits_to_keep=width, **extra)
         logits = result.logits
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the stats time the pass, not its launch
@@ -219,6 +231,19 @@ class BatchedDecoder:
         counters.widths.append(len(self.rows))
         counters.largest_pass = max(counters.largest_pass, ids.numel())
         return logits, target_s
+
+    def _tree_mask(self, width: int, live: torch.Tensor) -> torch.Tensor:
+        """Bool [B, width, L + width]: every query sees its row's live slots, then, among the new
+        ones, a tree row's nodes their ancestors (token_tree.TokenTree.visible) and a draft's tokens
+        those before them; a padding query sees its row's new tokens (its output is never read)."""
+        rows = len(self.rows)
+        new = torch.ones((rows, width, width), dtype=torch.bool).tril()
+        for i, row in enumerate(self.rows):
+            if row.tree is not None:
+                n = len(row.tree) + 1
+                new[i, :n, :n] = row.tree.visible(0)
+        new = new.to(live.device) & live[:, None, :]
+        return torch.cat([self.kept[:, None, :].expand(rows, width, self.kept.shape[1]), new], dim=2)
 
     def _join(self, cache, length: int) -> None:
         """Concatenate a prefilled row along the batch, left-padding the shorter side with dead slots."""

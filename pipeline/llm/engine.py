@@ -120,7 +120,7 @@ class GenerationRequest:
     max_draft_tokens: int = 8
     adaptive_draft: bool = True
     # A model-free drafter's other continuations, verified with its draft as a token tree in one
-    # pass (pipeline/llm/token_tree.py; alone, not in a batch): 0, a plain draft.
+    # pass (pipeline/llm/token_tree.py): 0, a plain draft.
     draft_branches: int = 0
     stop_strings: tuple[str, ...] = ()
     session_key: str = ""  # lets the suffix drafter remember what this session said, and the prefix cache its KV
@@ -488,7 +488,8 @@ class RequestDecoder:
     def propose(self, max_gamma: int | None = None, drafting: bool | None = None, tree: bool = False) -> None:
         """This step's draft; `max_gamma` caps it below the request's own limit (a batch's budget).
         `drafting`: a batch's guard's decision, in place of the request's own guard's (None: its own).
-        `tree`: the caller can verify a token tree (`self.tree`), where the drafter found branches."""
+        `tree`: the caller can verify a token tree (`self.tree`), where the drafter found branches;
+        `max_gamma` caps its nodes too."""
         limit = self.request.max_new_tokens - len(self.new) - 1  # the step commits one token of its own
         if max_gamma is not None:
             limit = min(limit, max_gamma)
@@ -515,7 +516,7 @@ class RequestDecoder:
         self.tree = None
         if tree and gamma and draft.branches:
             paths = [draft.tokens[:gamma], *(b[:gamma] for b in draft.branches)]
-            self.tree = TokenTree.from_paths(paths, max_nodes=TREE_MAX_NODES)
+            self.tree = TokenTree.from_paths(paths, max_nodes=min(TREE_MAX_NODES, max_gamma or TREE_MAX_NODES))
             self.draft = list(self.tree.tokens)
         self.phantom = draft.tokens[gamma] if self.draft_every_position and len(draft.tokens) > gamma else None
         rows = len(self.draft) + (self.phantom is not None)

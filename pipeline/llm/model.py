@@ -53,8 +53,7 @@ class LlmOptions:
     max_draft_tokens: int = 8
     adaptive_draft: bool = True
     # ngram and suffix: up to this many other continuations beside the draft, verified with it as a
-    # token tree in one pass (pipeline/llm/token_tree.py; a request decoded alone, not in a batch:
-    # the llm service batches unless llm.max_batch_size=1).
+    # token tree in one pass (pipeline/llm/token_tree.py), alone or in a batch.
     draft_branches: int = 0
     static_cache: bool = False  # preallocated KV cache per request (rollback by length); slower in eager mode here
     # Llama-architecture targets run through pipeline/llm/lean_llama.py (same arithmetic, fewer
