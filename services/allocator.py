@@ -15,7 +15,8 @@ threshold to the size of every such block freed (up to 32 MiB), so after the fir
 buffers are carved from the heap, which then holds ~75 MB more than the buffers in use (a hammer
 of Synthesize calls, docs/reliability.md). A fixed threshold (`malloc_mmap_threshold`, per service)
 keeps them mapped and unmaps each when freed; with 4 KiB pages those fresh mappings cost so many
-page faults that synthesis ran at 0.58x, in transparent huge pages (`malloc_huge_pages`) at 0.83x.
+page faults that synthesis ran at 0.58x, in transparent huge pages (`malloc_huge_pages`) at 0.83x;
+so it is a setting, off by default (`bench tts-allocator` measures it).
 Huge pages for malloc can only be asked for before the process starts (the GLIBC_TUNABLES
 environment variable, glibc 2.35+), so `exec_with_tunables` starts the service again with them.
 """

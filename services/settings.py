@@ -79,10 +79,10 @@ class Settings(BaseSettings):
     malloc_trim_interval_s: float = 30.0
     # By service: blocks of this many bytes or more get their own mapping, unmapped when freed (a
     # service not named keeps glibc's threshold, which rises to the largest block freed, up to
-    # 32 MiB); those mappings in transparent huge pages where the kernel offers them. The tts:
-    # ~75 MB less held, synthesis at 0.83x (docs/reliability.md). The others keep glibc's own: what
-    # a fixed one would cost their steps is not measured.
-    malloc_mmap_threshold: dict[str, int] = {"tts": 256 * 1024}
+    # 32 MiB); those mappings in transparent huge pages where the kernel offers them. Off by
+    # default: for the tts ({"tts": 262144}) it held ~70 MB less but synthesized slower, and an
+    # hour's soak with it was neither flat nor as fast (docs/reliability.md, `bench tts-allocator`).
+    malloc_mmap_threshold: dict[str, int] = {}
     malloc_huge_pages: bool = True
     turn_budget_ms: int = 800
     token_stream_ttl_s: int = 3600
