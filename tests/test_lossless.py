@@ -5,8 +5,8 @@ Sampling (bench/lossless.py has the method; `specvox bench lossless` is the full
 A reply's outcome is its first two tokens; the target's exact distribution of outcomes comes
 from its own probabilities (no sampling), and replies sampled through the engine with every
 drafter `Generator.drafters` lists, at a fixed draft length of 2, batched eight rows a pass,
-and with ngram's and suffix's branches verified as token trees, are counted by outcome. Half of
-them are seeded. A G-test per case compares counts with
+and with ngram's branches verified as token trees (the benchmark: suffix's too), are counted by
+outcome. Half of them are seeded. A G-test per case compares counts with
 expectations. The options are temperatures 0.3, 0.7, 1.0, 1.5 and top-k and top-p: plain
 sampling runs at each, every drafter at two of them in turn (`ci_grid`); the benchmark runs
 every drafter at every option.
@@ -62,6 +62,11 @@ def prompts(bundled) -> list[list[int]]:
     return [list(bundled.loaded.tokenizer.encode(PROMPTS[0]))]
 
 
+def ci_drafters(generator) -> list[str]:
+    """The engine's drafters and one of them as token trees (the benchmark samples both tree drafters)."""
+    return [*generator.drafters, "ngram-tree"]
+
+
 def ci_grid(drafters: list[str]) -> list[tuple[str, str]]:
     """The suite's share of the drafter × sampling grid (`specvox bench lossless` runs all of it):
     plain sampling at every option, and each drafter at two options half the list apart (a cool
@@ -76,7 +81,7 @@ def ci_grid(drafters: list[str]) -> list[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def cases(bundled, prompts) -> list[dict]:
     return [run_case(bundled, prompts, Case(0, drafter, sampling), REPLIES, LENGTH, GAMMA, ROWS)
-            for drafter, sampling in ci_grid(sampled_drafters(bundled))]
+            for drafter, sampling in ci_grid(ci_drafters(bundled))]
 
 
 def test_every_drafter_samples_as_the_target_does(bundled, cases):
@@ -88,7 +93,7 @@ def test_every_drafter_samples_as_the_target_does(bundled, cases):
     # the test has something to reject: several bins in every case, drafts accepted and rejected
     assert all(r["bins"] >= 2 for r in cases), [(r["drafter"], r["sampling"], r["bins"]) for r in cases]
     tally = {d: (sum(r["drafted"] for r in cases if r["drafter"] == d),
-                 sum(r["accepted"] for r in cases if r["drafter"] == d)) for d in sampled_drafters(bundled)[1:]}
+                 sum(r["accepted"] for r in cases if r["drafter"] == d)) for d in ci_drafters(bundled)[1:]}
     assert all(accepted < drafted for drafted, accepted in tally.values()), tally  # every drafter had rejections
     # and acceptances, but the early exit (8 of 30 layers), whose drafts this prompt seldom takes
     assert all(accepted for d, (_, accepted) in tally.items() if d != "early-exit"), tally
@@ -178,8 +183,9 @@ def test_greedy_with_every_drafter_is_plain_decoding_in_every_weight_form(bundle
 def test_the_cases_cover_every_sampling_option_and_drafter(bundled, cases):
     """Guard against a shrinking test: every option the issue names, every drafter the engine has."""
     assert {r["sampling"] for r in cases} == set(SAMPLINGS)
-    assert {r["drafter"] for r in cases} == set(sampled_drafters(bundled))
+    assert {r["drafter"] for r in cases} == set(ci_drafters(bundled))
+    assert set(ci_drafters(bundled)) <= set(sampled_drafters(bundled))
     assert {r["sampling"] for r in cases if r["drafter"] != "none"} == set(SAMPLINGS)
-    for drafter in sampled_drafters(bundled)[1:]:
+    for drafter in ci_drafters(bundled)[1:]:
         assert len({r["sampling"] for r in cases if r["drafter"] == drafter}) == 2, drafter
     assert {dataclasses.astuple(o)[:3] for o in SAMPLINGS.values()} >= {(0.3, 0, 1.0), (1.5, 0, 1.0)}

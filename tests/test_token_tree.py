@@ -139,8 +139,11 @@ def test_one_pass_of_torch_operations_over_a_tree_computes_every_path_as_plain_d
     _check_tree_pass(loaded, exact=False)
 
 
-def _replies(generator: Generator, drafter: str, branches: int, sampling: SamplingOptions, count: int = 3,
-             max_new: int = 40) -> list[tuple[int, ...]]:
+SAMPLINGS = (SamplingOptions(), SamplingOptions(temperature=0.8, top_p=0.95, seed=11))
+
+
+def _replies(generator: Generator, drafter: str, branches: int, sampling: SamplingOptions, count: int = 2,
+             max_new: int = 32) -> list[tuple[int, ...]]:
     prompts = load_prompts()
     tokenizer = generator.loaded.tokenizer
     out = []
@@ -152,9 +155,16 @@ def _replies(generator: Generator, drafter: str, branches: int, sampling: Sampli
     return out
 
 
+@pytest.fixture(scope="module")
+def plain_replies(exact) -> list[list[tuple[int, ...]]]:
+    """Plain decoding's replies under each of SAMPLINGS, which the tree drafters must give."""
+    generator = Generator(exact)
+    return [_replies(generator, "none", 0, sampling) for sampling in SAMPLINGS]
+
+
 @needs_kernel
 @pytest.mark.parametrize("drafter", ["ngram", "suffix"])
-def test_replies_drafted_as_trees_are_plain_decodings_replies(exact, drafter, monkeypatch):
+def test_replies_drafted_as_trees_are_plain_decodings_replies(exact, plain_replies, drafter, monkeypatch):
     """Greedy and seeded sampling: token for token what plain decoding says, trees verified on the way,
     some of their tokens accepted from a branch other than the draft."""
     walks: list[tuple[int, int]] = []  # (nodes, the first accepted node)
@@ -167,8 +177,7 @@ def test_replies_drafted_as_trees_are_plain_decodings_replies(exact, drafter, mo
 
     monkeypatch.setattr(engine.RequestDecoder, "_verify_tree", counted)
     generator = Generator(exact)
-    for sampling in (SamplingOptions(), SamplingOptions(temperature=0.8, top_p=0.95, seed=11)):
-        plain = _replies(generator, "none", 0, sampling)
+    for sampling, plain in zip(SAMPLINGS, plain_replies, strict=True):
         assert _replies(generator, drafter, 3, sampling) == plain
     assert walks, "no tree was verified"
     first_tokens = {first for _, first in walks}
@@ -202,10 +211,10 @@ def test_rows_of_a_batch_drafted_as_trees_are_plain_decodings_replies(exact, mon
                for task, text in ((Task.CAPTION, prompts["caption"][0]), (Task.CAPTION, prompts["caption"][1]),
                                   (Task.DIALOGUE, prompts["dialogue"][0]), (Task.DIALOGUE, prompts["dialogue"][1]))]
     for sampling in (SamplingOptions(), SamplingOptions(temperature=0.8, seed=5)):
-        plain = [tuple(t for s in generator.steps(GenerationRequest(ids, 40, "none", sampling)) for t in s.token_ids)
+        plain = [tuple(t for s in generator.steps(GenerationRequest(ids, 32, "none", sampling)) for t in s.token_ids)
                  for ids in encoded]
         decoder = BatchedDecoder(generator, 4, max_verify_tokens=None)
-        rows = {id(decoder.add(GenerationRequest(ids, 40, drafter, sampling, draft_branches=3))): i
+        rows = {id(decoder.add(GenerationRequest(ids, 32, drafter, sampling, draft_branches=3))): i
                 for i, (ids, drafter) in enumerate(zip(encoded, ["ngram", "suffix", "ngram", "none"], strict=True))}
         got: list[list[int]] = [[] for _ in encoded]
         while decoder.active:
