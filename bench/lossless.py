@@ -41,6 +41,7 @@ from unittest import mock
 import torch
 from scipy.stats import chi2
 
+from bench.spec import TREE, TREE_BRANCHES  # a model-free drafter's row with its branches as token trees
 from pipeline.llm import sampling
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.sampling import SamplingOptions, apply_repetition_penalty, logits_to_probs
@@ -168,10 +169,6 @@ def g_test(counts: Counter, probs: dict[Outcome, float]) -> TestResult:
     df = len(expected) - 1
     p_value = float(chi2.sf(g, df)) if df > 0 else 1.0
     return TestResult(round(g, 3), df, 0.0 if impossible else p_value, len(expected), impossible)
-
-
-TREE = "-tree"  # a model-free drafter with its branches verified as a token tree
-TREE_BRANCHES = 3
 
 
 def sampled_drafters(generator: Generator) -> list[str]:

@@ -10,7 +10,7 @@ its maximum, and the growth fitted after the warm-up (bench/soak.py's rule).
 
 Variants (services/allocator.py): `glibc` (the moving mmap threshold), `fixed-4k` (blocks of
 256 KiB and up mapped on their own, in 4 KiB pages) and `fixed-huge` (the same in transparent
-huge pages: the default for the tts).
+huge pages). The default is glibc's own: the fixed threshold costs synthesis speed.
 """
 
 from __future__ import annotations

@@ -552,9 +552,13 @@ class RequestDecoder:
         argmax, or the draw of that reply position (token_tree.py: the output is the target's)."""
         at = self._random_at(len(self.context) - self.prompt_len)
 
+        penalty = self.sampling.repetition_penalty
+
         def target_token(row: int, path: list[int]) -> int:
-            seen = [*self.context, *(tree.tokens[n] for n in path)]
-            row_logits = apply_repetition_penalty(logits[row : row + 1], seen, (), self.sampling.repetition_penalty)
+            row_logits = logits[row : row + 1]
+            if penalty != 1.0:  # the row also penalises the path to it
+                row_logits = apply_repetition_penalty(row_logits, [*self.context, *(tree.tokens[n] for n in path)],
+                                                      (), penalty)
             if self.sampling.greedy:
                 return int(torch.argmax(row_logits[0]))
             return sample(logits_to_probs(row_logits, self.sampling)[0], generator_at(at, len(path)))
