@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from services import metrics
-from services.auth import TENANT, replace_behavior
+from services.auth import TENANT, drain_refused, replace_behavior
 from services.work_queue import REDIS_ERRORS
 
 
@@ -146,11 +146,13 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
     def _limited(self, behavior, streaming: bool):
         import inspect
 
-        async def admit(context, tenant: str, stream: bool) -> str | None:
+        async def admit(request, context, tenant: str, stream: bool) -> str | None:
             try:
                 await self._check_rate(tenant)
                 return await self._open_stream(tenant) if stream else None
             except LimitExceededError as e:
+                if hasattr(request, "__aiter__"):
+                    await drain_refused(request)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"gateway: {e}")
             except REDIS_ERRORS as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"gateway: the per-key limits cannot be checked: {e}")
@@ -159,7 +161,7 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
         if inspect.isasyncgenfunction(behavior):
             async def stream(request, context):
                 tenant = TENANT.get()
-                lease = await admit(context, tenant, streaming)
+                lease = await admit(request, context, tenant, streaming)
                 keeper = asyncio.create_task(self._keep_stream(tenant, lease)) if lease else None
                 responses = behavior(request, context)
                 try:
@@ -173,7 +175,7 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
             return stream
 
         async def unary(request, context):
-            await admit(context, TENANT.get(), False)
+            await admit(request, context, TENANT.get(), False)
             result = behavior(request, context)
             return await result if inspect.isawaitable(result) else result
         return unary
