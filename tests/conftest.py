@@ -23,6 +23,20 @@ ROOT = Path(__file__).resolve().parent.parent
 STACK_START_TIMEOUT_S = 300
 
 
+# Under `pytest -n N` (the Makefile runs two workers) each worker computes on one thread:
+# N workers each spinning torch's or onnxruntime's full pool on the same cores slow the
+# model-heavy tests threefold. The services the tests start keep their own settings.
+PARALLEL_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+IN_PROCESS_THREADS = 1 if PARALLEL_WORKERS > 1 else 0  # 0: the libraries' own default
+
+
+def pytest_configure(config) -> None:
+    if IN_PROCESS_THREADS:
+        import torch
+
+        torch.set_num_threads(IN_PROCESS_THREADS)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -42,7 +56,8 @@ def redis_url() -> Iterator[str]:
 def synthesizer():
     from pipeline.tts.piper_backend import PiperSynthesizer, TtsOptions
 
-    return PiperSynthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0))  # the same speech every run
+    return PiperSynthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0,  # the same speech every run
+                                       threads=IN_PROCESS_THREADS))
 
 
 @pytest.fixture(scope="session")
