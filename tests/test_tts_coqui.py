@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from itertools import pairwise
 from pathlib import Path
 
@@ -35,8 +36,30 @@ TINY_RATE_HZ = 16_000  # the tiny VITS (tests/coqui_tiny_models.py); Piper's bun
 TEXT = "Hello there. How are you today, my friend?"
 
 
+COQUI_BUILD_WAIT_S = 1200  # the env's build, started by `make test` beside the tests, is a few minutes
+
+
+def wait_for_the_coqui_build() -> None:
+    """`make test` builds the Coqui env in the background and names the file its exit status
+    goes to (SPECVOX_COQUI_BUILD_STATUS): wait for it, and fail on a failed build with its log."""
+    status_file = os.environ.get("SPECVOX_COQUI_BUILD_STATUS")
+    if not status_file:
+        return
+    status = Path(status_file)
+    deadline = time.monotonic() + COQUI_BUILD_WAIT_S
+    while not status.is_file():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the Coqui env's build did not end within {COQUI_BUILD_WAIT_S} s (no {status})")
+        time.sleep(2)
+    if status.read_text().strip() != "0":
+        log = status.with_suffix(".log")
+        tail = log.read_text()[-3000:] if log.is_file() else "(no log)"
+        pytest.fail(f"building the Coqui env failed (exit {status.read_text().strip()}); {log}:\n{tail}")
+
+
 @pytest.fixture(scope="session")
 def coqui_python() -> str:
+    wait_for_the_coqui_build()
     python = os.environ.get("SPECVOX_COQUI_PYTHON") or str(ROOT / ".venv-coqui" / "bin" / "python")
     if not Path(python).is_file():
         if os.environ.get("CI", "").lower() == "true":
