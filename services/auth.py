@@ -14,6 +14,7 @@ configured: every call refused); `off` accepts everything.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import hashlib
 import hmac
@@ -253,7 +254,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return replace_behavior(handler, lambda behavior: _in_context(behavior, TENANT, tenant))
 
 
-# How long a refused call's request stream is read before the refusal (see `_refuse`).
+# How long a refused call's request stream is read before the refusal (see `abort_refused`).
 REFUSAL_DRAIN_S = 0.5
 REFUSAL_DRAIN_MESSAGES = 16
 
@@ -261,32 +262,31 @@ REFUSAL_DRAIN_MESSAGES = 16
 def _refuse(reason: str):
     def make(_behavior):
         async def refuse(request, context):
-            if hasattr(request, "__aiter__"):
-                await drain_refused(request)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+            await abort_refused(request, context, grpc.StatusCode.UNAUTHENTICATED, reason)
         return refuse
     return make
 
 
-async def drain_refused(requests) -> None:
-    """Read a refused call's first requests (a few, briefly) before its status goes out.
+async def abort_refused(request, context, code: grpc.StatusCode, details: str) -> None:
+    """End a refused call with `code`, a streaming one after reading its first requests (a few, briefly).
 
     grpc's asyncio client reports INTERNAL "Internal error from Core" instead of the server's
     status when one of its writes is still in flight as the status arrives (grpc/grpc#36066,
     about 1 call in 100 on loopback), so a client sending a request or two and closing would
-    now and then not learn that its key was wrong. Bounded in time and count: a client that
+    now and then not learn why it was refused. Bounded in time and count: a client that
     streams on and never closes is refused all the same."""
-    async def read() -> None:
-        n = 0
-        async for _ in requests:
-            n += 1
-            if n >= REFUSAL_DRAIN_MESSAGES:
-                return
+    if hasattr(request, "__aiter__"):
+        async def read() -> None:
+            n = 0
+            async for _ in request:
+                n += 1
+                if n >= REFUSAL_DRAIN_MESSAGES:
+                    return
 
-    try:
-        await asyncio.wait_for(read(), REFUSAL_DRAIN_S)
-    except Exception:  # the time bound, a broken stream, a malformed message: the refusal follows all the same
-        pass
+        # the time bound, a broken stream, a malformed message: the refusal follows all the same
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(read(), REFUSAL_DRAIN_S)
+    await context.abort(code, details)
 
 
 def _in_context(behavior, var: contextvars.ContextVar, value):

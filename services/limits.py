@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from services import metrics
-from services.auth import TENANT, drain_refused, replace_behavior
+from services.auth import TENANT, abort_refused, replace_behavior
 from services.work_queue import REDIS_ERRORS
 
 
@@ -151,9 +151,7 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
                 await self._check_rate(tenant)
                 return await self._open_stream(tenant) if stream else None
             except LimitExceededError as e:
-                if hasattr(request, "__aiter__"):
-                    await drain_refused(request)
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"gateway: {e}")
+                await abort_refused(request, context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"gateway: {e}")
             except REDIS_ERRORS as e:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"gateway: the per-key limits cannot be checked: {e}")
             return None

@@ -51,10 +51,11 @@ def wait_for_the_coqui_build() -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"the Coqui env's build did not end within {COQUI_BUILD_WAIT_S} s (no {status})")
         time.sleep(2)
-    if status.read_text().strip() != "0":
+    code = status.read_text().strip()
+    if code != "0":
         log = status.with_suffix(".log")
         tail = log.read_text()[-3000:] if log.is_file() else "(no log)"
-        pytest.fail(f"building the Coqui env failed (exit {status.read_text().strip()}); {log}:\n{tail}")
+        pytest.fail(f"building the Coqui env failed (exit {code}); {log}:\n{tail}")
 
 
 @pytest.fixture(scope="session")
