@@ -164,7 +164,8 @@ class DraftCost:
 
 @dataclass
 class DraftGuard:
-    """Never slower than plain decoding: drafting runs only while it measures cheaper per token.
+    """Never slower than plain decoding: drafting runs only while it measures cheaper per token,
+    and what it may lose while finding that out is bounded.
 
     Rule. Over draft steps the guard keeps exponentially forgotten sums of seconds S and
     committed tokens N (a step's seconds: the drafter's time, catch-up included, plus the
@@ -175,12 +176,27 @@ class DraftGuard:
     dearer, off again and the wait doubles (from `probe_every` up to `probe_max`), so a
     drafter that keeps losing costs ever less to re-check. A probe pays its catch-up, which
     is what turning drafting back on costs.
+
+    Loss budget. Each draft step's loss is its seconds minus what plain decoding would have
+    taken for its tokens (negative: a gain). The running loss L, gains included but credit
+    capped at `allowance` plain steps, may not pass `budget` times the decoding time the guard
+    has seen plus `allowance` plain steps: past it, drafting goes off at once, however few
+    tokens it has committed, and a probe waits until the budget has room again. Both L and the
+    time are forgotten over `horizon` steps, so that the bound holds for any stretch of that
+    length, not only over the guard's life (whose early gains could pay for a later losing
+    streak). So however the drafter does, decoding under the guard loses at most `budget` of its time, plus
+    `allowance` plain steps and the one step that crossed the line (a catch-up included): the
+    ski-rental bound of exploring a drafter that may not pay. The sums above decide whether
+    a drafter that stays inside the budget is winning; the budget caps what finding out costs.
     """
 
     probe_every: int = 32
     probe_max: int = 1024
     min_tokens: int = 16
     forget: float = 0.9
+    budget: float = 0.03  # the share of decoding time drafting may lose, over the guard's life
+    allowance: float = 4.0  # plus this many plain steps: the first measurements' price
+    horizon: int = 4096  # steps over which L and the time seen are remembered (exponentially)
     on: bool = True
     switches: int = 0  # times drafting went off
     _seconds: float = 0.0
@@ -189,22 +205,42 @@ class DraftGuard:
     _probing: bool = False
     _wait: int = 0
     _backoff: int = 0
+    _loss: float = 0.0  # seconds drafting took beyond plain decoding's for its tokens (L)
+    _elapsed: float = 0.0  # decoding seconds seen: draft steps timed, plain steps at plain_s
+    _plain_s: float | None = None  # the last plain cost per token given to `observe`
 
     def drafting(self) -> bool:
         """Whether the next step drafts. A plain step while off counts toward the next probe."""
-        if self.on:
+        keep = 1.0 - 1.0 / self.horizon
+        self._loss, self._elapsed = keep * self._loss, keep * self._elapsed
+        if self.on:  # `observe` turned it off if the last step broke the budget
             return True
+        if self._plain_s is not None:
+            self._elapsed += self._plain_s
         if self._wait > 0:
             self._wait -= 1
             return False
+        if not self.within_budget():
+            return False  # the wait is over, the budget is not: plain steps earn it back
         self.on, self._probing = True, True
         self._seconds = self._tokens = 0.0
         self._committed = 0
         return True
 
+    def within_budget(self) -> bool:
+        """Whether drafting's running loss leaves room for another draft step."""
+        if self._plain_s is None:
+            return True
+        return self._loss <= self.budget * self._elapsed + self.allowance * self._plain_s
+
     @property
     def cost_per_token(self) -> float | None:
         return self._seconds / self._tokens if self._tokens else None
+
+    @property
+    def loss(self) -> float:
+        """Seconds drafting has cost beyond plain decoding (negative: saved), credit capped."""
+        return self._loss
 
     def observe(self, seconds: float, tokens: int, plain_s: float | None) -> None:
         """A draft step took `seconds` and committed `tokens`; a plain step costs `plain_s` a token."""
@@ -212,7 +248,18 @@ class DraftGuard:
         self._seconds = f * self._seconds + seconds
         self._tokens = f * self._tokens + tokens
         self._committed += tokens
-        if plain_s is None or self._committed < self.min_tokens:
+        if plain_s is None:
+            return
+        self._plain_s = plain_s
+        self._elapsed += seconds
+        self._loss = max(-self.allowance * plain_s, self._loss + seconds - tokens * plain_s)
+        if not self.within_budget():
+            if self._probing:
+                self._probing = False
+                self._backoff = min(self.probe_max, 2 * self._backoff)
+            self.turn_off()
+            return
+        if self._committed < self.min_tokens:
             return
         losing = self._seconds / self._tokens > plain_s
         if self._probing:
