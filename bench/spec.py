@@ -7,8 +7,9 @@ installed: the `bench` extra; the row is skipped, with a line saying why, where 
 the target is no GGUF file), specvox
 plain decoding (through the lean Llama pass where the target has one, and through
 transformers' own modules as a control: `specvox-none-transformers`), and specvox with
-each drafter, the ngram and suffix drafters also with their branches verified as token trees
-(`specvox-ngram-tree`, `specvox-suffix-tree`: `llm.draft_branches`, or 3). Throughput is new
+each drafter, the ngram and suffix drafters and the trained heads also with their branches
+verified as token trees (`specvox-ngram-tree`, `specvox-suffix-tree`, `specvox-eagle-tree`:
+`llm.draft_branches`, or 3). Throughput is new
 tokens over wall time, summed over the set; `identical_to_greedy` compares every output with HF greedy's and
 `identical_to_plain` with specvox plain decoding's (the reference in a configuration HF
 does not run, such as `llm.weights=int4`). Outside float32 (`llm.weights=int4` with
@@ -42,7 +43,7 @@ FLOAT32_BASELINE = "hf-greedy-float32"  # HF greedy on the float32 target, when 
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 CONTROL_METHOD = "specvox-none-transformers"  # plain decoding through transformers' modules
 LLAMA_CPP = "llama.cpp"  # greedy on the same GGUF through llama-cpp-python (the `llamacpp` extra)
-TREE = "-tree"  # a model-free drafter's row with its branches verified as a token tree
+TREE = "-tree"  # a drafter's row with its branches verified as a token tree (model-free drafters, heads)
 TREE_BRANCHES = 3  # the tree rows' branches where llm.draft_branches is 0
 
 
@@ -59,7 +60,7 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
     llama_cpp = LlamaCpp.for_target(settings.llm.model, loaded.context_tokens)
     methods = ["hf-greedy", *([FLOAT32_BASELINE] if float32 else []), "hf-prompt-lookup",
                *([LLAMA_CPP] if llama_cpp else []), CONTROL_METHOD, *[f"specvox-{d}" for d in generator.drafters],
-               *[f"specvox-{d}{TREE}" for d in ("ngram", "suffix")]]
+               *[f"specvox-{d}{TREE}" for d in ("ngram", "suffix", *generator.draft_heads)]]
     print(f"torch threads {torch.get_num_threads()}, {settings.llm.dtype} on {settings.llm.device}", flush=True)
     runners = {CONTROL_METHOD: control, **({FLOAT32_BASELINE: float32} if float32 else {})}
     for hf_runner in (generator, *([float32] if float32 else [])):

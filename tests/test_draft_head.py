@@ -30,6 +30,7 @@ from pipeline.llm.draft_head import (
     rotary,
     target_fingerprint,
 )
+from pipeline.llm.draft_length import VerifyCost
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.model import LlmOptions, load_model
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
@@ -169,6 +170,48 @@ def test_greedy_with_the_head_in_a_batch_is_plain_decoding(loaded, shipped):
     prompts = [encode(loaded, t) for t in SOME]
     decoder = BatchedDecoder(shipped, 3)
     rows = {id(decoder.add(GenerationRequest(p, 32, kind, **FIXED))): i for i, p in enumerate(prompts)}
+    out: list[list[int]] = [[] for _ in prompts]
+    while decoder.rows:
+        for row, step in decoder.step():
+            out[rows[id(row)]] += step.token_ids
+    assert out == [run(shipped, p, "none", 32) for p in prompts]
+
+
+@pytest.mark.parametrize("text", SOME)
+def test_greedy_with_the_heads_token_tree_is_plain_decoding(loaded, shipped, text, monkeypatch):
+    """The head's top-k siblings verified as a tree (EAGLE-2's dynamic tree): the output is plain
+    decoding's, and the trees had more nodes than depth. A verified row is made free here, so
+    that every sibling pays its row and the trees are as wide as `draft_branches` lets them be."""
+    monkeypatch.setattr(shipped, "verify_cost", VerifyCost(prior=0.0, frozen=True))
+    prompt = encode(loaded, text)
+    plain = run(shipped, prompt, "none")
+    steps = list(shipped.steps(GenerationRequest(prompt, 48, "eagle", draft_branches=3, **FIXED)))
+    assert [t for s in steps for t in s.token_ids] == plain
+    stats = shipped.last_stats
+    assert stats.drafted_tokens >= 2 * sum(stats.drafted_at)  # tree nodes beyond the depth of each step
+
+
+def test_the_heads_siblings_are_offered_by_path_probability_above_the_threshold(loaded, shipped):
+    trained = shipped.draft_heads["eagle"]
+    prompt = encode(loaded, SOME[0])
+    out = shipped.forward(input_ids=torch.tensor([prompt[:-1]]), logits_to_keep=0)
+    drafter = trained.drafter(SamplingOptions())
+    drafter.branches = 2
+    drafter.observe(0, out.hidden[0])
+    chain = drafter.propose(prompt, 3)
+    assert len(chain.tokens) == 3 and chain.branches
+    assert all(len(b) <= 3 and b[:-1] == chain.tokens[: len(b) - 1] and b[-1] != chain.tokens[len(b) - 1]
+               for b in chain.branches)  # siblings of the chain's tokens
+    assert len(chain.branches) <= 2 * 3
+    drafter.min_value = 0.999  # no sibling is that likely: a plain chain
+    assert drafter.propose(prompt, 3) == dataclasses.replace(chain, branches=())
+
+
+def test_greedy_with_the_heads_tree_in_a_batch_is_plain_decoding(loaded, shipped):
+    prompts = [encode(loaded, t) for t in SOME]
+    decoder = BatchedDecoder(shipped, 3)
+    rows = {id(decoder.add(GenerationRequest(p, 32, "eagle", draft_branches=2, **FIXED))): i
+            for i, p in enumerate(prompts)}
     out: list[list[int]] = [[] for _ in prompts]
     while decoder.rows:
         for row, step in decoder.step():

@@ -360,10 +360,22 @@ class HeadDrafter:
     Sampled drafts are drawn from q over V' (zero elsewhere), so the verifier's rule keeps
     the target's distribution. `steady_pass_s`: the last `propose`'s time per draft token, its
     catch-up included (a few rows of one layer: a draft token's price for the draft-length model).
+
+    Token trees (greedy only, `branches` > 0): besides its chain of top-1 tokens the head offers,
+    at each depth, up to `branches` other tokens of its top-k as siblings of that depth's chain
+    token, each valued at the head's probability of the path to it (the chain's probabilities
+    down to its parent times its own). Only siblings worth more than `min_value` are offered,
+    the most valuable first: the dynamic draft tree of EAGLE-2 (Li et al. 2024, arXiv
+    2406.16858, §4: expand and rerank by the draft's confidence), over one drafting pass per
+    depth. The engine sets `min_value` to the verification cost of one more row as a share of a
+    plain step, so a node joins the tree only where its chance of being accepted pays its row.
+    Under sampling the head drafts a chain, whose q the rejection rule uses.
     """
 
     model_free = False
     steady_pass_s: float | None = None
+    branches = 0  # siblings a depth at most, for a token tree (greedy only)
+    min_value = 0.0  # a sibling's path probability must exceed this to be offered
 
     def __init__(self, trained: TrainedHead, sampling: SamplingOptions, generator: RandomSource = None) -> None:
         self.trained, self.sampling, self.generator = trained, sampling, generator
@@ -410,16 +422,35 @@ class HeadDrafter:
         embeds = trained.embed[torch.tensor(context[first + 1 :], device=features.device)][None]
         g = self._block(head, features, embeds, first)[:, -1:]
         true_length = cache.length
-        tokens, rows = [], []
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        siblings: list[tuple[float, tuple[int, ...]]] = []  # (path probability, path) of the tree's other nodes
+        chain_p = 1.0  # the head's probability of the chain so far
         for i in range(k):
-            token, q = self._choose((g[0, 0] @ trained.readout.T), len(context) + i)
+            logits = g[0, 0] @ trained.readout.T
+            token, q = self._choose(logits, len(context) + i)
+            if self.branches and self.sampling.greedy:
+                chain_p = self._siblings(logits, tuple(tokens), chain_p, siblings)
             tokens.append(token)
             if q is not None:
                 rows.append(q)
             if i + 1 < k:
                 g = self._block(head, g, trained.embed[token][None, None], len(context) - 1 + i)
         cache.length = true_length
-        return Draft(tuple(tokens), torch.stack(rows) if rows else None)
+        branches = tuple(path for _, path in sorted(siblings, key=lambda s: -s[0]))
+        return Draft(tuple(tokens), torch.stack(rows) if rows else None, branches=branches)
+
+    def _siblings(self, logits: torch.Tensor, chain: tuple[int, ...], chain_p: float,
+                  out: list[tuple[float, tuple[int, ...]]]) -> float:
+        """Add the top-k alternatives to the chain's next token worth more than `min_value` to `out`;
+        returns the chain's probability through its own next token (the top-1)."""
+        probs = torch.softmax(logits.float(), dim=-1)
+        top = torch.topk(probs, min(1 + self.branches, probs.numel()))
+        values = (chain_p * top.values).tolist()
+        for value, index in zip(values[1:], top.indices[1:].tolist(), strict=True):
+            if value > self.min_value:
+                out.append((value, (*chain, int(self.trained.vocab[index]))))
+        return values[0]
 
     def _block(self, head: EagleHead, features: torch.Tensor, embeds: torch.Tensor, first: int) -> torch.Tensor:
         cache = self._cache

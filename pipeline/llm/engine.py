@@ -346,8 +346,10 @@ class Generator:
             return memory
         if request.drafter in self.draft_heads:
             start = len(request.prompt_ids)
-            return self.draft_heads[request.drafter].drafter(request.sampling, None if random is None else
+            head = self.draft_heads[request.drafter].drafter(request.sampling, None if random is None else
                                                              lambda index: random.at(index - start, DRAFT_STREAM))
+            head.branches = request.draft_branches
+            return head
         model: Any
         if request.drafter == "draft" and self.draft_model:
             model, device, name = self.draft_model.lean or self.draft_model.model, self.draft_model.device, "draft"
@@ -508,6 +510,8 @@ class RequestDecoder:
         else:
             gamma = self.control.next_gamma(limit) if limit >= 1 else 0
             drafted = gamma + self.draft_every_position
+            if isinstance(self.drafter, HeadDrafter):  # a tree node must pay its row (HeadDrafter, EAGLE-2)
+                self.drafter.min_value = self.control.verify_cost_per_token
             draft = self.drafter.propose(self.context, drafted) if drafted else EMPTY
             gamma = min(gamma, len(draft.tokens))
         synchronize(self.device)
@@ -532,7 +536,7 @@ class RequestDecoder:
         """
         x = self.draft
         if self.tree is not None:
-            return self._verify_tree(self.tree, logits, target_s, own_pass)
+            return self._verify_tree(self.tree, logits, target_s, own_pass, features)
         logits = apply_repetition_penalty(logits, self.context, x, self.sampling.repetition_penalty)
         if self.sampling.greedy:
             n, next_token = greedy_verify(x, logits)
@@ -547,9 +551,11 @@ class RequestDecoder:
         self._account(len(x), n, target_s, own_pass)
         return n
 
-    def _verify_tree(self, tree: TokenTree, logits: torch.Tensor, target_s: float, own_pass: bool) -> int:
+    def _verify_tree(self, tree: TokenTree, logits: torch.Tensor, target_s: float, own_pass: bool,
+                     features: torch.Tensor | None = None) -> int:
         """Walk the tree [1 + nodes, V] by the target's own token after each accepted node: the
-        argmax, or the draw of that reply position (token_tree.py: the output is the target's)."""
+        argmax, or the draw of that reply position (token_tree.py: the output is the target's).
+        `features` [1 + nodes, D]: a head drafter gets the root's and the accepted path's."""
         at = self._random_at(len(self.context) - self.prompt_len)
 
         penalty = self.sampling.repetition_penalty
@@ -565,6 +571,8 @@ class RequestDecoder:
 
         self.kept, next_token = tree.walk(target_token)
         self.committed = [*(tree.tokens[n] for n in self.kept), next_token]
+        if features is not None:
+            self.observe_features(len(self.context) - 1, features[[0, *(1 + n for n in self.kept)]])
         self.context += self.committed
         self._account(max(tree.depths()), len(self.kept), target_s, own_pass, nodes=len(tree))
         return len(self.kept)
@@ -645,7 +653,8 @@ class RequestDecoder:
 
 def _measured_as(request: GenerationRequest, drafter: Drafter) -> str:
     """The name a drafter's measurements go under: its trees cost and win otherwise than its chains."""
-    return f"{drafter.name}-tree" if request.draft_branches and drafter.model_free else drafter.name
+    trees = request.draft_branches and (drafter.model_free or isinstance(drafter, HeadDrafter))
+    return f"{drafter.name}-tree" if trees else drafter.name
 
 
 def synchronize(device: torch.device) -> None:
