@@ -153,7 +153,8 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
             except LimitExceededError as e:
                 await abort_refused(request, context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"gateway: {e}")
             except REDIS_ERRORS as e:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"gateway: the per-key limits cannot be checked: {e}")
+                await abort_refused(request, context, grpc.StatusCode.UNAVAILABLE,
+                                    f"gateway: the per-key limits cannot be checked: {e}")
             return None
 
         if inspect.isasyncgenfunction(behavior):
