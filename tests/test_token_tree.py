@@ -9,6 +9,7 @@ import torch
 
 from bench.prompts import load_prompts
 from pipeline.llm import engine
+from pipeline.llm.draft_length import BranchWorth, VerifyCost
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.exact_codes import unavailable_reason
 from pipeline.llm.kv_cache import KVCache
@@ -166,7 +167,8 @@ def plain_replies(exact) -> list[list[tuple[int, ...]]]:
 @pytest.mark.parametrize("drafter", ["ngram", "suffix"])
 def test_replies_drafted_as_trees_are_plain_decodings_replies(exact, plain_replies, drafter, monkeypatch):
     """Greedy and seeded sampling: token for token what plain decoding says, trees verified on the way,
-    some of their tokens accepted from a branch other than the draft."""
+    some of their tokens accepted from a branch other than the draft. A verified row is made free,
+    so that no branch is judged not worth its row (`BranchWorth`)."""
     walks: list[tuple[int, int]] = []  # (nodes, the first accepted node)
     verify_tree = engine.RequestDecoder._verify_tree
 
@@ -177,11 +179,43 @@ def test_replies_drafted_as_trees_are_plain_decodings_replies(exact, plain_repli
 
     monkeypatch.setattr(engine.RequestDecoder, "_verify_tree", counted)
     generator = Generator(exact)
+    generator.verify_cost = VerifyCost(prior=0.0, frozen=True)
     for sampling, plain in zip(SAMPLINGS, plain_replies, strict=True):
         assert _replies(generator, drafter, 3, sampling) == plain
     assert walks, "no tree was verified"
     first_tokens = {first for _, first in walks}
     assert any(first > 0 for first in first_tokens), "no token accepted from a branch"
+
+
+def test_a_branch_that_wins_less_than_its_rows_cost_leaves_the_tree_and_is_probed():
+    worth = BranchWorth(probe_every=16)
+    chain, winner, loser = (1, 2, 3), (1, 7, 8), (4, 5, 6)
+    for _ in range(40):  # the target always goes the winner's way for two tokens past the chain's one
+        worth.observe(chain, (loser, winner), (1, 7, 8))
+    assert worth.gain(0) < 0.05 and worth.gain(1) > 1.9
+    kept = [worth.keep(chain, (loser, winner), verify_cost_per_token=0.3) for _ in range(32)]
+    assert kept.count((winner,)) == 30 and kept.count((loser, winner)) == 2  # the loser: a probe in 16
+    assert worth.keep(chain, (loser, winner), verify_cost_per_token=0.0) == (loser, winner)  # free rows: all
+    fresh = BranchWorth()
+    assert fresh.keep(chain, (loser,), 0.1) == (loser,)  # untried: the prior's half token pays 3 rows at 0.1
+
+
+@needs_kernel
+def test_tree_branches_that_do_not_pay_are_dropped_and_replies_stay_plain_decodings(exact, plain_replies,
+                                                                                   monkeypatch):
+    """Rows as dear as this CPU's worst (b = 1: a verified row costs a plain step): no branch's
+    prior pays its rows, so trees are verified only as the probes, and greedy replies are plain
+    decoding's all the same."""
+    trees = []
+    verify_tree = engine.RequestDecoder._verify_tree
+    monkeypatch.setattr(engine.RequestDecoder, "_verify_tree",
+                        lambda self, tree, *a, **k: trees.append(len(tree)) or verify_tree(self, tree, *a, **k))
+    generator = Generator(exact)
+    generator.verify_cost = VerifyCost(prior=1.0, frozen=True)
+    assert _replies(generator, "ngram", 3, SamplingOptions()) == plain_replies[0]
+    worth = generator._branch_worth["ngram-tree"]
+    assert worth._steps > 0  # branches were found
+    assert len(trees) == worth._steps // worth.probe_every  # only the probes verified them
 
 
 def test_trees_through_torchs_operations_decode_as_plain_decoding(tiny_llm_dir):

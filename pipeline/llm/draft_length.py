@@ -33,6 +33,7 @@ over many tokens is not mistaken for the price of a draft token.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 MATCH_BUCKETS = 4  # matched-suffix lengths 1, 2, 3 and 4 or more are told apart
@@ -140,6 +141,64 @@ class MatchAcceptance:
 
 def _bucket(match: int) -> int:
     return min(max(match, 1), MATCH_BUCKETS) - 1
+
+
+@dataclass
+class BranchWorth:
+    """A model-free token tree's shape from what its branches won: the tokens the r-th branch
+    added beyond what the chain (and the branches before it) got accepted, per step it was
+    offered, kept per rank across requests; a branch joins the tree only while that gain
+    exceeds the rows it adds times b, the cost of a verified row as a share of a plain step.
+
+    The prior is an optimistic half token a step, worth two steps, so that every rank is tried
+    before it is judged; a rank dropped keeps being offered one step in `probe_every`, so that
+    its figure can recover where rows get cheap (a GPU, a quiet machine)."""
+
+    ranks: int = 8
+    prior_gain: float = 0.5
+    prior_steps: float = 2.0
+    probe_every: int = 16
+    gains: list[float] = field(default_factory=list)
+    offered: list[float] = field(default_factory=list)
+    _steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.gains, self.offered = [0.0] * self.ranks, [0.0] * self.ranks
+
+    def gain(self, rank: int) -> float:
+        """Expected tokens the rank-th branch (0: the first after the chain) adds a step it is offered."""
+        return (self.gains[rank] + self.prior_gain * self.prior_steps) / (self.offered[rank] + self.prior_steps)
+
+    def keep(self, chain: Sequence[int], branches: Sequence[Sequence[int]],
+             verify_cost_per_token: float) -> tuple[tuple[int, ...], ...]:
+        """The branches worth their rows (each branch's rows: its tokens past its common prefix with the chain)."""
+        self._steps += 1
+        probe = self._steps % self.probe_every == 0
+        kept = []
+        for rank, branch in enumerate(branches[: self.ranks]):
+            rows = len(branch) - _common(branch, chain)
+            if probe or self.gain(rank) > verify_cost_per_token * rows:
+                kept.append(tuple(branch))
+        return tuple(kept)
+
+    def observe(self, chain: Sequence[int], branches: Sequence[Sequence[int]], accepted: Sequence[int]) -> None:
+        """After a tree step: `accepted`, the draft tokens the walk kept, root to leaf."""
+        best = _common(accepted, chain)
+        for rank, branch in enumerate(branches[: self.ranks]):
+            reach = _common(accepted, branch)
+            self.gains[rank] += max(0, reach - best)
+            self.offered[rank] += 1.0
+            best = max(best, reach)
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """The length of the common prefix of `a` and `b`."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 @dataclass

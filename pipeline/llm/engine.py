@@ -32,7 +32,14 @@ import torch
 from pipeline.llm.budget import CostMeter
 from pipeline.llm.detokenize import IncrementalDetokenizer
 from pipeline.llm.draft_head import HeadDrafter, TrainedHead, find_heads
-from pipeline.llm.draft_length import DraftCost, DraftGuard, DraftLengthController, MatchAcceptance, VerifyCost
+from pipeline.llm.draft_length import (
+    BranchWorth,
+    DraftCost,
+    DraftGuard,
+    DraftLengthController,
+    MatchAcceptance,
+    VerifyCost,
+)
 from pipeline.llm.drafters import (
     EMPTY,
     Drafter,
@@ -218,6 +225,7 @@ class Generator:
         self._match_acceptance: dict[tuple[str, int], MatchAcceptance] = {}
         self._draft_costs: dict[str, DraftCost] = {}  # a model drafter's c and α, across requests
         self.guards: dict[str, DraftGuard] = {}  # per drafter: drafting on or off, from measured costs
+        self._branch_worth: dict[str, BranchWorth] = {}  # per model-free drafter: which tree branches pay
         self.costs = CostMeter()  # what prefills and steps take here, for the latency budget
         self.prefix_cache = PrefixCache(0 if static_cache else prefix_cache_sessions, prefix_cache_mb << 20)
         self.draft_heads: dict[str, TrainedHead] = {}  # trained heads for this target by kind (`from_options`)
@@ -404,6 +412,15 @@ class Generator:
             return None
         return self.guards.setdefault(_measured_as(request, drafter), DraftGuard())
 
+    def branch_worth_for(self, request: GenerationRequest, drafter: Drafter) -> BranchWorth | None:
+        """What a model-free drafter's tree branches won, shared by its requests; None where the tree's
+        shape is not the engine's to choose (no branches, a fixed draft length, seeded sampling, whose
+        steps must not depend on earlier requests)."""
+        if not (drafter.model_free and request.draft_branches and request.adaptive_draft) or (
+                request.sampling.seed is not None and not request.sampling.greedy):
+            return None
+        return self._branch_worth.setdefault(_measured_as(request, drafter), BranchWorth())
+
     def _memory(self, session_key: str, incoming: int) -> SuffixDrafter:
         """`session_key`'s suffix memory, the least recently used others dropped to leave room
         for the `incoming` tokens this request will commit to it."""
@@ -443,6 +460,8 @@ class RequestDecoder:
         # drafting on or off from measured costs; in a batch, the batch's guard decides (BatchedDecoder)
         self.guard = generator.guard_for(request, self.drafter)
         self.guard_drafts = False  # this step ran with the guard's drafting on
+        self.branch_worth = generator.branch_worth_for(request, self.drafter)  # a model-free tree's shape
+        self.offered: tuple[tuple[int, ...], tuple[tuple[int, ...], ...]] = ((), ())  # the tree's chain, branches
         self.device = loaded.device
         self.costs = generator.costs
         self.prompt_len = len(request.prompt_ids)
@@ -519,9 +538,14 @@ class RequestDecoder:
         self.draft, self.match = list(draft.tokens[:gamma]), draft.match
         self.tree = None
         if tree and gamma and draft.branches:
-            paths = [draft.tokens[:gamma], *(b[:gamma] for b in draft.branches)]
-            self.tree = TokenTree.from_paths(paths, max_nodes=min(TREE_MAX_NODES, max_gamma or TREE_MAX_NODES))
-            self.draft = list(self.tree.tokens)
+            chain, branches = draft.tokens[:gamma], tuple(b[:gamma] for b in draft.branches)
+            if self.branch_worth is not None:  # only the branches whose gain pays their rows
+                branches = self.branch_worth.keep(chain, branches, self.control.verify_cost_per_token)
+            self.offered = (chain, branches)
+            if branches:
+                self.tree = TokenTree.from_paths([chain, *branches],
+                                                 max_nodes=min(TREE_MAX_NODES, max_gamma or TREE_MAX_NODES))
+                self.draft = list(self.tree.tokens)
         self.phantom = draft.tokens[gamma] if self.draft_every_position and len(draft.tokens) > gamma else None
         rows = len(self.draft) + (self.phantom is not None)
         self.draft_q = None if draft.q is None else draft.q[:rows]
@@ -573,6 +597,8 @@ class RequestDecoder:
         self.committed = [*(tree.tokens[n] for n in self.kept), next_token]
         if features is not None:
             self.observe_features(len(self.context) - 1, features[[0, *(1 + n for n in self.kept)]])
+        if self.branch_worth is not None:
+            self.branch_worth.observe(*self.offered, self.committed[:-1])
         self.context += self.committed
         self._account(max(tree.depths()), len(self.kept), target_s, own_pass, nodes=len(tree))
         return len(self.kept)
