@@ -35,7 +35,7 @@ from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.model import LlmOptions, load_model
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 from pipeline.llm.sampling import SamplingOptions
-from pipeline.llm.train_draft import TrainOptions, train
+from pipeline.llm.train_draft import TrainOptions, autocast_dtype, train
 
 PROMPTS = load_prompts()
 BENCHMARK = [*PROMPTS["dialogue"], *PROMPTS["caption"]]
@@ -141,6 +141,12 @@ def test_a_tiny_training_run_writes_an_artifact_that_loads_and_resumes(loaded, t
         generator.draft_heads = {kind: load_head(where, loaded.model, target_fingerprint("bundled"))}
         assert kind in generator.drafters and run(generator, prompt, kind, 24, **FIXED) == plain
         assert generator.last_stats.drafted_tokens > 0
+
+
+def test_training_products_are_bfloat16_on_cuda_and_float32_on_a_cpu_unless_told():
+    assert autocast_dtype("auto", torch.device("cpu")) == "float32"  # bfloat16 products crawl on AVX2
+    assert autocast_dtype("auto", torch.device("cuda")) == "bfloat16"
+    assert autocast_dtype("bfloat16", torch.device("cpu")) == "bfloat16"
 
 
 def test_a_head_loads_only_against_the_target_it_was_trained_for(loaded, tiny_llm_dir, shipped):
