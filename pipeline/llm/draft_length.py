@@ -36,6 +36,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pipeline.llm.prefix_cache import common_prefix
+
 MATCH_BUCKETS = 4  # matched-suffix lengths 1, 2, 3 and 4 or more are told apart
 
 
@@ -176,29 +178,19 @@ class BranchWorth:
         probe = self._steps % self.probe_every == 0
         kept = []
         for rank, branch in enumerate(branches[: self.ranks]):
-            rows = len(branch) - _common(branch, chain)
+            rows = len(branch) - common_prefix(branch, chain)
             if probe or self.gain(rank) > verify_cost_per_token * rows:
                 kept.append(tuple(branch))
         return tuple(kept)
 
     def observe(self, chain: Sequence[int], branches: Sequence[Sequence[int]], accepted: Sequence[int]) -> None:
         """After a tree step: `accepted`, the draft tokens the walk kept, root to leaf."""
-        best = _common(accepted, chain)
+        best = common_prefix(accepted, chain)
         for rank, branch in enumerate(branches[: self.ranks]):
-            reach = _common(accepted, branch)
+            reach = common_prefix(accepted, branch)
             self.gains[rank] += max(0, reach - best)
             self.offered[rank] += 1.0
             best = max(best, reach)
-
-
-def _common(a: Sequence[int], b: Sequence[int]) -> int:
-    """The length of the common prefix of `a` and `b`."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass
@@ -253,7 +245,7 @@ class DraftGuard:
     probe_max: int = 1024
     min_tokens: int = 16
     forget: float = 0.9
-    budget: float = 0.03  # the share of decoding time drafting may lose, over the guard's life
+    budget: float = 0.03  # the share of decoding time drafting may lose, over the last `horizon` steps
     allowance: float = 4.0  # plus this many plain steps: the first measurements' price
     horizon: int = 4096  # steps over which L and the time seen are remembered (exponentially)
     on: bool = True
@@ -312,15 +304,10 @@ class DraftGuard:
         self._plain_s = plain_s
         self._elapsed += seconds
         self._loss = max(-self.allowance * plain_s, self._loss + seconds - tokens * plain_s)
-        if not self.within_budget():
-            if self._probing:
-                self._probing = False
-                self._backoff = min(self.probe_max, 2 * self._backoff)
-            self.turn_off()
+        over_budget = not self.within_budget()  # decides at once; the sums wait for min_tokens
+        if not over_budget and self._committed < self.min_tokens:
             return
-        if self._committed < self.min_tokens:
-            return
-        losing = self._seconds / self._tokens > plain_s
+        losing = over_budget or self._seconds / self._tokens > plain_s
         if self._probing:
             self._probing = False
             self._backoff = min(self.probe_max, 2 * self._backoff) if losing else 0
