@@ -277,7 +277,7 @@ def decoding_time_and_loss(drafted: list[bool], steps: list[tuple[float, int]], 
 def test_the_guard_turns_a_losing_drafter_off_and_probes_it_ever_less_often():
     assert sum(s for s, _ in QUANTIZED_STEPS) / sum(t for _, t in QUANTIZED_STEPS) > PLAIN_STEP_S  # it loses
     guard = DraftGuard(probe_every=32, probe_max=1024, min_tokens=16)
-    drafted = through_guard(guard, QUANTIZED_STEPS, PLAIN_STEP_S, 3000)
+    drafted = through_guard(guard, QUANTIZED_STEPS, PLAIN_STEP_S, 4000)
     assert drafted.index(False) == 1  # its first step broke the budget: off before min_tokens
     runs = plain_runs(drafted)
     assert runs[0] > 32 and runs[3:6] == [256, 512, 1024]  # the budget, then the doubling wait, gate the probes

@@ -232,7 +232,8 @@ class DraftGuard:
     taken for its tokens (negative: a gain). The running loss L, gains included but credit
     capped at `allowance` plain steps, may not pass `budget` times the decoding time the guard
     has seen plus `allowance` plain steps: past it, drafting goes off at once, however few
-    tokens it has committed, and a probe waits until the budget has room again. Both L and the
+    tokens it has committed, and a probe waits until the budget has the whole allowance free
+    again (a probe that started at the edge would be stopped by its first unlucky step). Both L and the
     time are forgotten over `horizon` steps, so that the bound holds for any stretch of that
     length, not only over the guard's life (whose early gains could pay for a later losing
     streak). So however the drafter does, decoding under the guard loses at most `budget` of its time, plus
@@ -271,18 +272,22 @@ class DraftGuard:
         if self._wait > 0:
             self._wait -= 1
             return False
-        if not self.within_budget():
-            return False  # the wait is over, the budget is not: plain steps earn it back
+        if self._plain_s is not None and self.room() < self.allowance * self._plain_s:
+            return False  # the wait is over, but a probe needs the whole allowance: plain steps earn it back
         self.on, self._probing = True, True
         self._seconds = self._tokens = 0.0
         self._committed = 0
         return True
 
+    def room(self) -> float:
+        """Seconds drafting may still lose before the budget stops it (negative: over it)."""
+        if self._plain_s is None:
+            return float("inf")
+        return self.budget * self._elapsed + self.allowance * self._plain_s - self._loss
+
     def within_budget(self) -> bool:
         """Whether drafting's running loss leaves room for another draft step."""
-        if self._plain_s is None:
-            return True
-        return self._loss <= self.budget * self._elapsed + self.allowance * self._plain_s
+        return self.room() >= 0.0
 
     @property
     def cost_per_token(self) -> float | None:
