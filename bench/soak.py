@@ -288,10 +288,6 @@ def run(settings, minutes: float, sessions: int, json_path: str | None, out_dir:
              "failed_segments": len(tally.failed_segments), "failures": tally.failed_segments[:10],
              "voice_to_voice": voice_to_voice(tally, wall_s)}
     print_table(fits, restarted, turns)
-    png = Path(out_dir) / "soak_memory.png"
-    plot(samples, fits, warmup_s, png, f"specvox bench soak: {sessions} sessions, {wall_s / 60:.1f} min, "
-                                       f"{len(tally.answered)} answered turns")
-    print(f"\nwrote {png}")
     results = {"minutes": minutes, "wall_s": round(wall_s, 1), "sessions": sessions, "sample_s": sample_s,
                "warmup_s": warmup_s, "flat_rule": {"mb_per_h": FLAT_MB_PER_H, "share_per_h": FLAT_SHARE_PER_H},
                "growth": fits, "flat": {name: f["flat"] for name, f in judged(fits).items()},
@@ -300,5 +296,13 @@ def run(settings, minutes: float, sessions: int, json_path: str | None, out_dir:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(results, indent=2) + "\n")
         print(f"wrote {json_path}")
+    # after the JSON: an hour's samples are not lost to a plotting library missing
+    png = Path(out_dir) / "soak_memory.png"
+    try:
+        plot(samples, fits, warmup_s, png, f"specvox bench soak: {sessions} sessions, {wall_s / 60:.1f} min, "
+                                           f"{len(tally.answered)} answered turns")
+        print(f"wrote {png}")
+    except ImportError as e:
+        print(f"no plot ({e}): pip install -e '.[bench]' for matplotlib")
     flat = all(f["flat"] is not False for f in judged(fits).values())
     return 0 if tally.answered and flat and not any(restarted.values()) else 1
