@@ -10,7 +10,9 @@ its maximum, and the growth fitted after the warm-up (bench/soak.py's rule).
 
 Variants (services/allocator.py): `glibc` (the moving mmap threshold), `fixed-4k` (blocks of
 256 KiB and up mapped on their own, in 4 KiB pages) and `fixed-huge` (the same in transparent
-huge pages). The default is glibc's own: the fixed threshold costs synthesis speed.
+huge pages), and `fixed-32m` (the threshold where glibc's moving one ends, 32 MiB, from the
+start: every buffer from the heap, the level reached in the warm-up rather than at some later
+long phrase).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ VARIANTS = {
     "glibc": {"SPECVOX_MALLOC_MMAP_THRESHOLD": "{}"},
     "fixed-4k": {"SPECVOX_MALLOC_MMAP_THRESHOLD": '{"tts": 262144}', "SPECVOX_MALLOC_HUGE_PAGES": "false"},
     "fixed-huge": {"SPECVOX_MALLOC_MMAP_THRESHOLD": '{"tts": 262144}', "SPECVOX_MALLOC_HUGE_PAGES": "true"},
+    "fixed-32m": {"SPECVOX_MALLOC_MMAP_THRESHOLD": '{"tts": 33554432}', "SPECVOX_MALLOC_HUGE_PAGES": "false"},
 }
 
 

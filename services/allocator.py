@@ -11,12 +11,13 @@ what `MALLOC_ARENA_MAX` does, set before the models load and their threads start
 pages inside every arena back to the kernel. Elsewhere than glibc (musl, macOS) both do nothing.
 
 A third lever is for the tts: glibc maps a block of 128 KiB or more on its own, but raises that
-threshold to the size of every such block freed (up to 32 MiB), so after the first synthesis its
-buffers are carved from the heap, which then holds ~75 MB more than the buffers in use (a hammer
-of Synthesize calls, docs/reliability.md). A fixed threshold (`malloc_mmap_threshold`, per service)
-keeps them mapped and unmaps each when freed; with 4 KiB pages those fresh mappings cost so many
-page faults that synthesis ran at 0.58x, in transparent huge pages (`malloc_huge_pages`) at 0.83x;
-so it is a setting, off by default (`bench tts-allocator` measures it).
+threshold to the size of every such block freed (up to 32 MiB), so its heap steps up each time a
+longer phrase than any before is freed: an hour's soak held 385 MB for half an hour, then 460.
+A fixed threshold (`malloc_mmap_threshold`, per service) stops the moving. At 32 MiB, where glibc's
+own ends, the tts's buffers come from the heap from the first phrase: the same speed and level as
+glibc once it has moved, reached in the warm-up; that is the default. A small one (256 KiB) keeps
+them mapped and unmaps each when freed: ~70 MB less, but so many page faults that synthesis ran
+at 0.65x (0.86x in transparent huge pages, `malloc_huge_pages`); `bench tts-allocator` measures it.
 Huge pages for malloc can only be asked for before the process starts (the GLIBC_TUNABLES
 environment variable, glibc 2.35+), so `exec_with_tunables` starts the service again with them.
 """
@@ -77,7 +78,10 @@ def tunables(mmap_threshold: int, huge_pages: bool) -> str:
     moving one, and nothing to set), its blocks in transparent huge pages if `huge_pages`."""
     if mmap_threshold <= 0:
         return ""
-    entries = [f"glibc.malloc.mmap_threshold={mmap_threshold}"]
+    # A threshold set by hand also stops glibc's moving trim threshold (twice the mmap threshold, where
+    # the heap's free top is handed back on free); keep that pairing, or a heap that serves large
+    # buffers would shrink and fault its pages in again at every one.
+    entries = [f"glibc.malloc.mmap_threshold={mmap_threshold}", f"glibc.malloc.trim_threshold={2 * mmap_threshold}"]
     if huge_pages:
         entries.append("glibc.malloc.hugetlb=1")  # madvise(MADV_HUGEPAGE) on what malloc maps
     return ":".join(entries)

@@ -79,11 +79,13 @@ class Settings(BaseSettings):
     malloc_trim_interval_s: float = 30.0
     # By service: blocks of this many bytes or more get their own mapping, unmapped when freed (a
     # service not named keeps glibc's threshold, which rises to the largest block freed, up to
-    # 32 MiB); those mappings in transparent huge pages where the kernel offers them. Off by
-    # default: for the tts ({"tts": 262144}) it held ~70 MB less but synthesized slower, and an
-    # hour's soak with it was neither flat nor as fast (docs/reliability.md, `bench tts-allocator`).
-    malloc_mmap_threshold: dict[str, int] = {}
-    malloc_huge_pages: bool = True
+    # 32 MiB, so its heap steps up whenever a longer phrase than any before is freed); those
+    # mappings in transparent huge pages if `malloc_huge_pages`. The tts starts where glibc's
+    # threshold ends (32 MiB: its buffers from the heap from the first phrase, at glibc's speed), so
+    # its level is reached in the warm-up, not at a later long phrase; a small threshold ({"tts":
+    # 262144}) holds ~70 MB less but synthesizes slower (docs/reliability.md, `bench tts-allocator`).
+    malloc_mmap_threshold: dict[str, int] = {"tts": 32 << 20}
+    malloc_huge_pages: bool = False
     turn_budget_ms: int = 800
     token_stream_ttl_s: int = 3600
     session_ttl_s: int = 24 * 3600

@@ -78,10 +78,16 @@ def test_a_fixed_mmap_threshold_keeps_large_blocks_out_of_the_heap():
     # glibc's moving threshold: the second block comes from the heap, where it stays when freed
     assert placed(0) == ["-", "False", "True"]
     # fixed at 1 MiB (the process started again with the tunable): both mapped, unmapped when freed
-    assert placed(1 << 20) == ["glibc.malloc.mmap_threshold=1048576", "False", "False"]
+    assert placed(1 << 20) == ["glibc.malloc.mmap_threshold=1048576:glibc.malloc.trim_threshold=2097152",
+                               "False", "False"]
+    # fixed at 32 MiB, where the moving one ends: both from the heap from the first
+    assert placed(32 << 20) == ["glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=67108864",
+                                "True", "True"]
 
 
 def test_tunables_are_asked_only_for_a_fixed_threshold():
     assert allocator.tunables(0, huge_pages=True) == ""
-    assert allocator.tunables(262144, huge_pages=True) == "glibc.malloc.mmap_threshold=262144:glibc.malloc.hugetlb=1"
-    assert allocator.tunables(262144, huge_pages=False) == "glibc.malloc.mmap_threshold=262144"
+    assert allocator.tunables(262144, huge_pages=True) == (
+        "glibc.malloc.mmap_threshold=262144:glibc.malloc.trim_threshold=524288:glibc.malloc.hugetlb=1")
+    assert allocator.tunables(262144, huge_pages=False) == (
+        "glibc.malloc.mmap_threshold=262144:glibc.malloc.trim_threshold=524288")
