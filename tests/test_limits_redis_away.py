@@ -16,24 +16,19 @@ from tests.conftest import free_port
 ECHO = "/specvox.test.Echo/"
 
 
-def _echo_handler(method: str, streaming: bool) -> grpc.RpcMethodHandler:
-    if streaming:
-        async def chat(requests, context):
-            async for request in requests:
-                yield request
-        return grpc.stream_stream_rpc_method_handler(chat)
-
-    async def once(request, context):
-        return request
-    return grpc.unary_unary_rpc_method_handler(once)
+async def _once(request, context):
+    return request
 
 
-class _Echo(grpc.GenericRpcHandler):
-    def service(self, handler_call_details):
-        method = handler_call_details.method
-        if method.startswith(ECHO):
-            return _echo_handler(method, streaming=method.endswith("Chat"))
-        return None
+async def _chat(requests, context):
+    async for request in requests:
+        yield request
+
+
+ECHO_HANDLERS = grpc.method_handlers_generic_handler("specvox.test.Echo", {
+    "Once": grpc.unary_unary_rpc_method_handler(_once),
+    "Chat": grpc.stream_stream_rpc_method_handler(_chat),
+})
 
 
 @pytest.fixture
@@ -45,7 +40,7 @@ async def limited_server():
                            retry=Retry(NoBackoff(), 0))
     limits = LimitOptions(max_streams_per_key=2, requests_per_s_per_key=100.0)
     server = grpc.aio.server(interceptors=[LimitsInterceptor(limits, redis)])
-    server.add_generic_rpc_handlers([_Echo()])
+    server.add_generic_rpc_handlers([ECHO_HANDLERS])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
