@@ -69,6 +69,10 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
     control.warm_up()
     if llama_cpp:
         llama_cpp.greedy(list(loaded.tokenizer.encode("Hello")), 4, loaded.eos_token_ids)  # type: ignore[attr-defined]
+    if loaded.device.type == "cuda":  # CUDA loads a kernel at its first use: one untimed round on a real prompt
+        first = encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, prompts[workloads[0]][0]))
+        for method in methods:
+            _measure(method, runners.get(method, generator), first, 16, settings.llm, llama_cpp)
     rows = []
     for workload in workloads:
         encoded = [encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, p)) for p in prompts[workload][:limit]]
