@@ -17,9 +17,11 @@ word separators.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import threading
 import unicodedata
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -45,6 +47,9 @@ LEVEL_PEAK = 0.9  # the reference sentence's peak after the gain (Piper's own: 1
 DECODER_CONTEXT = 12  # the decoder's reach in latent frames: with this many either side, pieces join exactly
 FLOW_CONTEXT = 32  # the flow's reach: 4 coupling layers, each 4 convolutions of width 5
 DECODER_INPUT_NODE = "/dec/conv_pre/Conv"  # the decoder's first node in Piper's exported VITS graph
+# Words whose espeak word count is remembered (`_espeak_words_in`): each phonemize call leaks
+# memory inside piper's espeak bridge (`_set_voice_once`), and a reply's words mostly repeat.
+REMEMBERED_WORDS = 4096
 
 
 class PiperSynthesizer:
@@ -60,6 +65,8 @@ class PiperSynthesizer:
         self.model = _VoiceModel.load(str(files.model_path), options)
         # Piper's voice for its phonemizer and phoneme ids; the model runs here, in parts (not its synthesize)
         self.phonemizer = PiperVoice(config=config, session=self.model.encoder)
+        _set_voice_once()
+        self._espeak_words_in = functools.lru_cache(maxsize=REMEMBERED_WORDS)(self._count_espeak_words)
         self.sample_rate_hz = int(config.sample_rate)
         self.inputs: dict[str, np.ndarray] = {"scales": np.array([
             config.noise_scale if options.noise_scale is None else options.noise_scale,
@@ -127,11 +134,14 @@ class PiperSynthesizer:
         total = sum(_count_words(p) for p in sentences)
         if total == len(words):
             return [1] * len(words)
-        groups = [sum(_count_words(p) for p in self.phonemizer.phonemize(w)) for w in words]
+        groups = [self._espeak_words_in(w) for w in words]
         if sum(groups) != total or 0 in groups:
             log.debug("espeak heard %d words in %r: timing it in proportion", total, " ".join(words))
             return None
         return groups
+
+    def _count_espeak_words(self, word: str) -> int:
+        return sum(_count_words(p) for p in self.phonemizer.phonemize(word))
 
     def _phoneme_samples(self, phonemes: list[str], samples_per_id: np.ndarray) -> list[tuple[str, int]] | None:
         """(phoneme, samples) from `^` to `$`: a phoneme's ids and the pad after it, as `phonemes_to_ids` lays them."""
@@ -321,3 +331,31 @@ def _session(model: Any, options: TtsOptions) -> Any:
     )
     source = model if isinstance(model, str) else model.SerializeToString()
     return onnxruntime.InferenceSession(source, sess_options=session_options, providers=providers)
+
+
+_voice_lock = threading.Lock()
+
+
+def _set_voice_once() -> None:
+    """Make piper's espeak bridge set espeak's voice only when it changes (once per process).
+
+    Piper's phonemizer calls `espeakbridge.set_voice` before every phonemization, and espeak-ng
+    keeps ~0.8 KB at each call (measured: 10,000 calls, +0.79 KB of USS each; `get_phonemes`
+    keeps another ~0.5 KB, 0.28 KB of it Python strings never freed). At a few calls a phrase that
+    was the tts's slow rise over a soak (docs/reliability.md). Piper calls it under its own lock,
+    through the module's attribute, so wrapping the attribute covers every caller."""
+    from piper import espeakbridge
+
+    with _voice_lock:
+        if getattr(espeakbridge.set_voice, "remembers_voice", False):
+            return
+        current: list[str] = []
+
+        def set_voice_once(voice: str) -> None:
+            if current != [voice]:
+                set_voice_once.espeak_set_voice(voice)  # type: ignore[attr-defined]
+                current[:] = [voice]
+
+        set_voice_once.remembers_voice = True  # type: ignore[attr-defined]
+        set_voice_once.espeak_set_voice = espeakbridge.set_voice  # type: ignore[attr-defined]
+        espeakbridge.set_voice = set_voice_once
