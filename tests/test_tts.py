@@ -336,31 +336,6 @@ def test_caption_documents_round_trip_through_parsers():
         (0.1, 0.5, "Hello"), (0.6, 1.2, "there,")]
 
 
-def test_espeak_voice_is_set_once_and_the_phonemes_are_unchanged(synthesizer):
-    """Piper sets espeak's voice before every phonemization and espeak-ng keeps ~0.8 KB each time
-    (the tts's slow rise in the soak); specvox sets it once. Phonemes after a reset of the voice
-    before each text (what piper does) equal those without, also after words espeak reads in
-    another language, and the real espeak is asked once for all these texts."""
-    from piper import espeakbridge
-
-    texts = ["Hello there, my friend.", "A café serves crème brûlée and Schadenfreude at 3:45 pm.",
-             "Je ne sais quoi, said the naïve señor.", "COVID-19 cost $1,200 in 2021!", "Back to plain English."]
-    set_voice_once = espeakbridge.set_voice
-    assert getattr(set_voice_once, "remembers_voice", False)
-    espeak_set_voice, calls = set_voice_once.espeak_set_voice, []
-    set_voice_once.espeak_set_voice = lambda voice: (calls.append(voice), espeak_set_voice(voice))
-    try:
-        once = [synthesizer.phonemizer.phonemize(t) for t in texts * 3]
-        assert len(calls) <= 1, calls  # at most the first call in this process, were none before
-        reset = []
-        for t in texts * 3:
-            espeak_set_voice(synthesizer.phonemizer.config.espeak_voice)
-            reset.append(synthesizer.phonemizer.phonemize(t))
-    finally:
-        set_voice_once.espeak_set_voice = espeak_set_voice
-    assert once == reset
-
-
 def test_words_espeak_splits_are_counted_once_each(synthesizer):
     """A phrase whose words espeak counts differently ("COVID-19") is timed word by word; each
     word's count is phonemized once and remembered (every phonemization leaks inside espeak)."""

@@ -21,7 +21,6 @@ import functools
 import json
 import logging
 import os
-import threading
 import unicodedata
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -47,8 +46,9 @@ LEVEL_PEAK = 0.9  # the reference sentence's peak after the gain (Piper's own: 1
 DECODER_CONTEXT = 12  # the decoder's reach in latent frames: with this many either side, pieces join exactly
 FLOW_CONTEXT = 32  # the flow's reach: 4 coupling layers, each 4 convolutions of width 5
 DECODER_INPUT_NODE = "/dec/conv_pre/Conv"  # the decoder's first node in Piper's exported VITS graph
-# Words whose espeak word count is remembered (`_espeak_words_in`): each phonemize call leaks
-# memory inside piper's espeak bridge (`_set_voice_once`), and a reply's words mostly repeat.
+# Words whose espeak word count is remembered (`_espeak_words_in`): every phonemization keeps
+# some memory inside piper's espeak bridge (~0.3 KB: strings its get_phonemes never frees), and
+# a reply's words mostly repeat. Re-phonemizing each word was the tts's slow rise in soaks.
 REMEMBERED_WORDS = 4096
 
 
@@ -65,7 +65,6 @@ class PiperSynthesizer:
         self.model = _VoiceModel.load(str(files.model_path), options)
         # Piper's voice for its phonemizer and phoneme ids; the model runs here, in parts (not its synthesize)
         self.phonemizer = PiperVoice(config=config, session=self.model.encoder)
-        _set_voice_once()
         self._espeak_words_in = functools.lru_cache(maxsize=REMEMBERED_WORDS)(self._count_espeak_words)
         self.sample_rate_hz = int(config.sample_rate)
         self.inputs: dict[str, np.ndarray] = {"scales": np.array([
@@ -331,31 +330,3 @@ def _session(model: Any, options: TtsOptions) -> Any:
     )
     source = model if isinstance(model, str) else model.SerializeToString()
     return onnxruntime.InferenceSession(source, sess_options=session_options, providers=providers)
-
-
-_voice_lock = threading.Lock()
-
-
-def _set_voice_once() -> None:
-    """Make piper's espeak bridge set espeak's voice only when it changes (once per process).
-
-    Piper's phonemizer calls `espeakbridge.set_voice` before every phonemization, and espeak-ng
-    keeps ~0.8 KB at each call (measured: 10,000 calls, +0.79 KB of USS each; `get_phonemes`
-    keeps another ~0.5 KB, 0.28 KB of it Python strings never freed). At a few calls a phrase that
-    was the tts's slow rise over a soak (docs/reliability.md). Piper calls it under its own lock,
-    through the module's attribute, so wrapping the attribute covers every caller."""
-    from piper import espeakbridge
-
-    with _voice_lock:
-        if getattr(espeakbridge.set_voice, "remembers_voice", False):
-            return
-        current: list[str] = []
-
-        def set_voice_once(voice: str) -> None:
-            if current != [voice]:
-                set_voice_once.espeak_set_voice(voice)  # type: ignore[attr-defined]
-                current[:] = [voice]
-
-        set_voice_once.remembers_voice = True  # type: ignore[attr-defined]
-        set_voice_once.espeak_set_voice = espeakbridge.set_voice  # type: ignore[attr-defined]
-        espeakbridge.set_voice = set_voice_once
