@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The LLM engine on a CUDA machine, in one prepared run of about 9 minutes at most:
-#   1. the engine's tests with the bundled target on the GPU (SPECVOX_LLM__DEVICE=cuda);
+#   1. the engine's tests with the bundled target on the GPU (SPECVOX_LLM__DEVICE=cuda), the
+#      CUDA graphs' first;
 #   2. `specvox bench spec` in float32 and in bfloat16 on the GPU;
 #   3. the figures into docs/benchmarks.md, a dated subsection under "Losslessness and the guard".
 # It stops at once, with a message and exit status 2, where torch sees no CUDA device.
@@ -9,13 +10,19 @@
 #   bench/gpu_check.sh --write A.json B.json [TESTS_LOG]   # only step 3, from bench spec JSON files
 #
 # Environment: PYTHON (default .venv/bin/python), DOCS (default docs/benchmarks.md), LIMIT and
-# TOKENS (bench spec's --limit and --max-new-tokens: 4 and 64), OUT (where JSON and logs go).
+# TOKENS (bench spec's --limit and --max-new-tokens: 4 and 64), OUT (where JSON and logs go),
+# TESTS (the test files, in order), DTYPES (default "float32 bfloat16"), TESTS_TIMEOUT and
+# BENCH_TIMEOUT (seconds: 270 for the tests, 130 for each bench spec).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
 DOCS=${DOCS:-docs/benchmarks.md}
 LIMIT=${LIMIT:-4}
 TOKENS=${TOKENS:-64}
+TESTS=${TESTS:-tests/test_cuda_graph_step.py tests/test_engine.py tests/test_speculative.py tests/test_lossless.py tests/test_batch.py}
+DTYPES=${DTYPES:-float32 bfloat16}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-270}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-130}
 OUT=${OUT:-$(mktemp -d -t specvox-gpu-check.XXXXXX)}
 
 write_figures() {  # DOCS, then bench spec JSON files, then optionally the tests' log
@@ -79,18 +86,18 @@ export SPECVOX_LLM__DEVICE=cuda
 # 1. The engine's tests on the GPU (they take the device from SPECVOX_LLM__DEVICE; CPU-only
 # weight forms and drafters skip there). 4.5 minutes at most (236 s on an H200).
 status=0
-timeout 270 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_engine.py tests/test_speculative.py \
-  tests/test_lossless.py tests/test_batch.py 2>&1 | tee "$OUT/tests.log" || status=$?
+# shellcheck disable=SC2086 # TESTS is a list of paths
+timeout "$TESTS_TIMEOUT" "$PYTHON" -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tee "$OUT/tests.log" || status=$?
 
 # 2. bench spec in float32 and bfloat16, 130 s each at most (bfloat16 ran past 100 s on an H200).
-for dtype in float32 bfloat16; do
-  SPECVOX_LLM__DTYPE=$dtype timeout 130 "$PYTHON" -m services.cli bench spec --limit "$LIMIT" \
+for dtype in $DTYPES; do
+  SPECVOX_LLM__DTYPE=$dtype timeout "$BENCH_TIMEOUT" "$PYTHON" -m services.cli bench spec --limit "$LIMIT" \
     --max-new-tokens "$TOKENS" --json "$OUT/spec_$dtype.json" 2>&1 | tee "$OUT/spec_$dtype.log" || status=$?
 done
 
 # 3. The figures, from whatever finished (bench spec writes its JSON after each prompt set).
 jsons=()
-for dtype in float32 bfloat16; do
+for dtype in $DTYPES; do
   [[ -s "$OUT/spec_$dtype.json" ]] && jsons+=("$OUT/spec_$dtype.json")
 done
 write_figures "$DOCS" ${jsons[@]+"${jsons[@]}"} "$OUT/tests.log"

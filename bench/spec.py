@@ -6,7 +6,8 @@ greedy on the target's own GGUF file (`llama.cpp`, through llama-cpp-python wher
 installed: the `bench` extra; the row is skipped, with a line saying why, where it is not or
 the target is no GGUF file), specvox
 plain decoding (through the lean Llama pass where the target has one, and through
-transformers' own modules as a control: `specvox-none-transformers`), and specvox with
+transformers' own modules as a control: `specvox-none-transformers`; where the lean pass
+replays its one-token steps as CUDA graphs, also without them: `specvox-none-eager`), and specvox with
 each drafter, the ngram and suffix drafters and the trained heads also with their branches
 verified as token trees (`specvox-ngram-tree`, `specvox-suffix-tree`, `specvox-eagle-tree`:
 `llm.draft_branches`, or 3). Throughput is new
@@ -42,6 +43,7 @@ from pipeline.models import resolve_llm
 FLOAT32_BASELINE = "hf-greedy-float32"  # HF greedy on the float32 target, when the run is in another configuration
 HF_PROMPT_LOOKUP_TOKENS = 10  # transformers' documented default for prompt_lookup_num_tokens
 CONTROL_METHOD = "specvox-none-transformers"  # plain decoding through transformers' modules
+EAGER_METHOD = "specvox-none-eager"  # plain decoding through the lean pass without CUDA graphs (a GPU's control)
 LLAMA_CPP = "llama.cpp"  # greedy on the same GGUF through llama-cpp-python (the `llamacpp` extra)
 TREE = "-tree"  # a drafter's row with its branches verified as a token tree (model-free drafters, heads)
 TREE_BRANCHES = 3  # the tree rows' branches where llm.draft_branches is 0
@@ -53,20 +55,27 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
     loaded = load_model(settings.llm)
     generator = Generator.from_options(loaded, settings.llm)
     control = Generator(loaded, static_cache=settings.llm.static_cache, lean=False)
+    eager = None
+    if loaded.lean is not None and loaded.lean.graphed is not None:
+        eager = Generator(dataclasses.replace(loaded, lean=loaded.lean.eager()), static_cache=settings.llm.static_cache)
     float32 = None
     if settings.llm.dtype != "float32":
         float32 = Generator(load_model(dataclasses.replace(settings.llm, dtype="float32", weights="dense",
                                                            lean_forward=False)))
     llama_cpp = LlamaCpp.for_target(settings.llm.model, loaded.context_tokens)
     methods = ["hf-greedy", *([FLOAT32_BASELINE] if float32 else []), "hf-prompt-lookup",
-               *([LLAMA_CPP] if llama_cpp else []), CONTROL_METHOD, *[f"specvox-{d}" for d in generator.drafters],
+               *([LLAMA_CPP] if llama_cpp else []), CONTROL_METHOD, *([EAGER_METHOD] if eager else []),
+               *[f"specvox-{d}" for d in generator.drafters],
                *[f"specvox-{d}{TREE}" for d in ("ngram", "suffix", *generator.draft_heads)]]
     print(f"torch threads {torch.get_num_threads()}, {settings.llm.dtype} on {settings.llm.device}", flush=True)
-    runners = {CONTROL_METHOD: control, **({FLOAT32_BASELINE: float32} if float32 else {})}
+    runners = {CONTROL_METHOD: control, **({FLOAT32_BASELINE: float32} if float32 else {}),
+               **({EAGER_METHOD: eager} if eager else {})}
     for hf_runner in (generator, *([float32] if float32 else [])):
         _hf_generate(hf_runner, list(loaded.tokenizer.encode("Hello")), 4, False)  # type: ignore[attr-defined]
     generator.warm_up(drafters=generator.drafters)
     control.warm_up()
+    if eager:
+        eager.warm_up()
     if llama_cpp:
         llama_cpp.greedy(list(loaded.tokenizer.encode("Hello")), 4, loaded.eos_token_ids)  # type: ignore[attr-defined]
     if loaded.device.type == "cuda":  # CUDA loads a kernel at its first use: one untimed round on a real prompt
@@ -142,7 +151,8 @@ def _measure(method: str, generator: Generator, prompt: list[int], max_new: int,
     elif method.startswith("hf-"):
         out = _hf_generate(generator, prompt, max_new, method == "hf-prompt-lookup")
     else:
-        drafter = "none" if method == CONTROL_METHOD else method.removeprefix("specvox-").removesuffix(TREE)
+        plain = method in (CONTROL_METHOD, EAGER_METHOD)
+        drafter = "none" if plain else method.removeprefix("specvox-").removesuffix(TREE)
         branches = (options.draft_branches or TREE_BRANCHES) if method.endswith(TREE) else 0
         request = GenerationRequest(tuple(prompt), max_new, drafter, max_draft_tokens=options.max_draft_tokens,
                                     adaptive_draft=options.adaptive_draft, draft_branches=branches)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from pipeline.llm.cuda_graph_step import GRAPH_HEADROOM, GraphedStep, graphs_apply
 from pipeline.llm.exact_codes import ExactCodesLinear
 from pipeline.llm.kv_cache import KVCache
 from pipeline.llm.weight_kernels import (
@@ -89,7 +90,7 @@ class LeanLlama:
     positions, a cache, `logits_to_keep`), returning the logits and the grown cache."""
 
     def __init__(self, model: Any, packed: bool = True, weights: str = "dense",
-                 row_invariant: bool | None = None, fused: bool = True) -> None:
+                 row_invariant: bool | None = None, fused: bool = True, graphs: bool = True) -> None:
         """`packed`: dense float32 weights are multiplied through MKL-packed copies where that
         kernel applies (`PackedLinear`). `weights="int4-exact"`: the weights as the 4- and 8-bit
         codes they were stored in, float32 arithmetic (`ExactCodesLinear`; a float32 model on
@@ -98,7 +99,9 @@ class LeanLlama:
         each row exactly as a one-row pass would (`_attend_by_row`, row-invariant products);
         None: in 16-bit dtypes, where the rounding of another kernel path flips tokens. `fused`: with
         int4-exact weights, a decoding pass runs its decoder layers in one C++ call (`LeanStep`,
-        kernels/lean_step.cpp) where the shapes allow; false: through torch's operations."""
+        kernels/lean_step.cpp) where the shapes allow; false: through torch's operations. `graphs`:
+        on a CUDA device, a one-token pass is replayed as a CUDA graph where that applies
+        (`cuda_graph_step.graphs_apply`; `llm.cuda_graphs`)."""
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a plain Llama model")
         if weights not in WEIGHT_FORMS:
@@ -122,6 +125,8 @@ class LeanLlama:
         self._cos = self._sin = self.embed.new_zeros(0, self.head_dim)
         self.fused = fused
         self.step = self._lean_step()
+        self.graphs = graphs
+        self.graphed = self._graphed_step()
         # None, or a float64 [4] tensor to which the C++ pass adds its seconds by part (products,
         # attention, cache writes, norms/rotary/elementwise): bench/step_split.py reads it
         self.timings: torch.Tensor | None = None
@@ -141,6 +146,12 @@ class LeanLlama:
                  [layer.post_norm.contiguous() for layer in self.layers]]
         return linear.kernels.LeanStep(norms[0], records[0], records[1], norms[1], records[2], records[3],
                                        self.heads, self.kv_heads, self.head_dim, self.eps)
+
+    def _graphed_step(self) -> GraphedStep | None:
+        """This pass's one-token step as CUDA graphs (`_graph_body`), where they apply; else None."""
+        if not (self.graphs and graphs_apply(self.embed.device, self.row_invariant)):
+            return None
+        return GraphedStep(self._graph_body)
 
     def _linear(self, packed: bool, weights: str) -> Linear:
         layer_weights = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -185,6 +196,9 @@ class LeanLlama:
             raise ValueError("a visible mask goes with position_ids, without attention_mask, in a decoding pass")
         if self.step is not None and decoding and isinstance(cache, KVCache) and cache.batch == batch:
             return self._fused_pass(input_ids, cache, attention_mask, position_ids, logits_to_keep, visible)
+        if (self.graphed is not None and batch == new == 1 and isinstance(cache, KVCache) and cache.batch == 1
+                and attention_mask is None and position_ids is None and visible is None):
+            return self._graphed_pass(input_ids, cache)
         if position_ids is None:  # consecutive positions after the cache: a slice of the table
             self._grow_rotary_table(past + new)
             cos, sin = self._cos[None, None, past : past + new], self._sin[None, None, past : past + new]
@@ -195,27 +209,37 @@ class LeanLlama:
         # attention row by row needs the mask; a one-token pass without padding (no mask) is one row already
         by_row = mask if (self.row_invariant or rows_alone) and decoding else None
         padded = by_row is not None and (by_row.shape[0] > 1 or visible is not None or not bool(by_row[0, 0, -1].all()))
-        x, linear = F.embedding(input_ids, self.embed), self.linear if decoding else plain_linear
+        linear = self.linear if decoding else plain_linear
+
+        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            keys, values = cache.update(k, v, index)
+            if by_row is not None:
+                return _attend_by_row(q, keys, values, by_row, past, padded)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                  enable_gqa=self.heads != self.kv_heads)
+
+        x = self._decoder_layers(F.embedding(input_ids, self.embed), cos, sin, attend, linear)
+        keep = x[:, -logits_to_keep:] if logits_to_keep else x
+        return LeanOutput(linear(self.normed(keep), self.lm_head), cache, keep)
+
+    def _decoder_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Any,
+                        linear: Linear) -> torch.Tensor:
+        """The decoder layers over embeddings x [B, new, hidden], through torch's operations;
+        `attend(layer index, q, k, v)` stores k and v in the cache and returns the attention's output."""
+        batch, new, _ = x.shape
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, self.eps)
             qk, v = linear(h, layer.qkv).split((q_size + kv_size, kv_size), dim=-1)
             # q and k rotated in one call (the same elementwise arithmetic as one call each)
             qk = _rotate(qk.view(batch, new, self.heads + self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
-            q, k = qk[:, : self.heads], qk[:, self.heads :]
             v = v.view(batch, new, self.kv_heads, self.head_dim).transpose(1, 2)
-            keys, values = cache.update(k, v, index)
-            if by_row is not None:
-                attended = _attend_by_row(q, keys, values, by_row, past, padded)
-            else:
-                attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                                          enable_gqa=self.heads != self.kv_heads)
+            attended = attend(index, qk[:, : self.heads], qk[:, self.heads :], v)
             x = x + linear(attended.transpose(1, 2).reshape(batch, new, q_size), layer.o)
             h = _rms_norm(x, layer.post_norm, self.eps)
             gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, layer.down)
-        keep = x[:, -logits_to_keep:] if logits_to_keep else x
-        return LeanOutput(linear(self.normed(keep), self.lm_head), cache, keep)
+        return x
 
     def _fused_pass(self, input_ids: torch.Tensor, cache: KVCache, attention_mask: torch.Tensor | None,
                     position_ids: torch.Tensor | None, logits_to_keep: int,
@@ -237,6 +261,34 @@ class LeanLlama:
         keep = x[:, -logits_to_keep:] if logits_to_keep else x
         return LeanOutput(self.linear(self.normed(keep), self.lm_head), cache, keep)
 
+    def _graphed_pass(self, input_ids: torch.Tensor, cache: KVCache) -> LeanOutput:
+        """A one-token pass replayed as a CUDA graph recorded for this cache's buffers."""
+        if cache.capacity - cache.length < GRAPH_HEADROOM // 4:  # grown well ahead: a new buffer, a new graph
+            cache.reserve(cache.length + GRAPH_HEADROOM)
+        self._grow_rotary_table(cache.capacity)
+        logits, hidden = self.graphed(input_ids, cache.length, cache.keys, cache.values, self._cos, self._sin)
+        cache.length += 1
+        return LeanOutput(logits, cache, hidden)
+
+    def _graph_body(self, ids: torch.Tensor, position: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    cos_table: torch.Tensor, sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `GraphedStep` records: the one-token pass of `ids` [1, 1] at slot `position` [1] (a
+        device tensor), with shapes that do not depend on it: the key and value go to their slot
+        by `index_copy_`, and attention covers the cache's whole capacity, masked to the slots up to
+        the position. Same arithmetic as `__call__`, but for the attention's masked reduction."""
+        cos, sin = cos_table.index_select(0, position)[None, None], sin_table.index_select(0, position)[None, None]
+        seen = (torch.arange(keys.shape[3], device=ids.device) <= position)[None, None, None]  # [1, 1, 1, capacity]
+
+        def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            layer_keys, layer_values = keys[index], values[index]  # [1, H_kv, capacity, D]
+            layer_keys.index_copy_(2, position, k)
+            layer_values.index_copy_(2, position, v)
+            return F.scaled_dot_product_attention(q, layer_keys, layer_values, attn_mask=seen,
+                                                  enable_gqa=self.heads != self.kv_heads)
+
+        x = self._decoder_layers(F.embedding(ids, self.embed), cos, sin, attend, self.linear)
+        return self.linear(self.normed(x), self.lm_head), x
+
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm of `LeanOutput.hidden`: what the output matrix multiplies."""
         return _rms_norm(hidden, self.final_norm, self.eps)
@@ -250,6 +302,7 @@ class LeanLlama:
         shallow = copy.copy(self)
         shallow.layers = self.layers[:layers]
         shallow.step = shallow._lean_step()
+        shallow.graphed = shallow._graphed_step()  # its own graphs, of its own body
         shallow.config = copy.deepcopy(self.config)  # its caches hold `layers` layers
         shallow.config.num_hidden_layers = layers
         if getattr(shallow.config, "layer_types", None):
@@ -261,6 +314,14 @@ class LeanLlama:
         (what `llm.fused_step=false` runs; bench/step_split.py compares the two)."""
         plain = copy.copy(self)
         plain.fused, plain.step, plain.timings = False, None, None
+        plain.graphed = plain._graphed_step()
+        return plain
+
+    def eager(self) -> LeanLlama:
+        """This pass on the same weights with every step launched operation by operation, no CUDA
+        graphs (bench spec's `specvox-none-eager` control; the graph tests' reference)."""
+        plain = copy.copy(self)
+        plain.graphed = None
         return plain
 
     @property
