@@ -148,15 +148,21 @@ def g_test(counts: Counter, probs: dict[Outcome, float]) -> TestResult:
     bins = sorted(((pr, o) for o, pr in probs.items() if o in binned), reverse=True)
     expected = [pr * n for pr, _ in bins]
     observed = [float(counts.get(o, 0)) for _, o in bins]
-    taken = {o: probs[o] for o in binned}  # outcome or prefix → the mass its bin took
+    # A tuple can be both an outcome (a reply that ended there) and a prefix (of longer replies):
+    # their masses are kept apart, or a prefix's bin would count the outcome's mass twice.
+    rests: dict[Outcome, float] = {}  # prefix → the mass its bin took (outcomes under it in no other bin)
     for prefix in sorted(PREFIX_MASS, key=len, reverse=True):
-        under = sum(m for o, m in taken.items() if o[: len(prefix)] == prefix and o != prefix)
+        def below(o: Outcome, prefix: Outcome = prefix) -> bool:
+            return len(o) >= len(prefix) and o[: len(prefix)] == prefix
+
+        under = sum(probs[o] for o in binned if below(o) and o != prefix)
+        under += sum(m for t, m in rests.items() if below(t) and t != prefix)
         rest = PREFIX_MASS[prefix] - under - (probs.get(prefix, 0.0) if prefix in binned else 0.0)
         if rest * n < MIN_EXPECTED:
             continue
-        seen = sum(c for o, c in counts.items() if o[: len(prefix)] == prefix and not any(
-            o[: len(t)] == t and len(t) > len(prefix) for t in taken) and o not in binned)
-        taken[prefix] = rest
+        seen = sum(c for o, c in counts.items() if below(o) and o not in binned
+                   and not any(len(t) > len(prefix) and o[: len(t)] == t for t in rests))
+        rests[prefix] = rest
         expected.append(rest * n)
         observed.append(float(seen))
     rest_e, rest_o = max(0.0, n - sum(expected)), n - sum(observed)

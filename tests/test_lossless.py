@@ -189,3 +189,38 @@ def test_the_cases_cover_every_sampling_option_and_drafter(bundled, cases):
     for drafter in ci_drafters(bundled)[1:]:
         assert len({r["sampling"] for r in cases if r["drafter"] == drafter}) == 2, drafter
     assert {dataclasses.astuple(o)[:3] for o in SAMPLINGS.values()} >= {(0.3, 0, 1.0), (1.5, 0, 1.0)}
+
+
+def test_the_g_test_counts_a_reply_that_ends_where_others_go_on_once():
+    """(1, 2) is both an outcome (replies that end after two tokens) and a prefix (of (1, 2, 3)
+    and others): counts exactly at expectation give G = 0 and expectations summing to N, and
+    moving replies from one branch to another is caught. (The G-test once took such a tuple's
+    outcome mass for its prefix's, expecting 1,090 replies of 1,000 in a run of the benchmark.)"""
+    from collections import Counter
+
+    from bench import lossless
+
+    probs = {(1, 2): 0.3, (1, 2, 3): 0.2, **{(1, 2, 10 + i): 0.004 for i in range(10)},
+             **{(1, 5, 30 + i): 0.003 for i in range(20)},
+             **{(1, 40 + i, 7): 0.002 for i in range(25)},  # under (1,), in no deeper bin
+             **{(2, 7, 100 + i): 0.004 for i in range(85)}, (3,): 0.01}
+    prefix_mass = {(1,): 0.65, (2,): 0.34, (1, 2): 0.54, (1, 5): 0.06, (2, 7): 0.34,
+                   **{(1, 40 + i): 0.002 for i in range(25)}}
+    n = 1000
+    exact = Counter({o: round(p * n) for o, p in probs.items()})
+    assert sum(exact.values()) == n
+    saved = dict(lossless.PREFIX_MASS)
+    try:
+        lossless.PREFIX_MASS.clear()
+        lossless.PREFIX_MASS.update(prefix_mass)
+        at_expectation = lossless.g_test(exact, probs)
+        shifted = exact.copy()
+        shifted[(1, 2, 3)] -= 60
+        for i in range(60):
+            shifted[(2, 7, 100 + i)] += 1
+        moved = lossless.g_test(shifted, probs)
+    finally:
+        lossless.PREFIX_MASS.clear()
+        lossless.PREFIX_MASS.update(saved)
+    assert abs(at_expectation.g) < 1e-6 and at_expectation.p_value > 0.99
+    assert moved.p_value < 1e-4
