@@ -198,7 +198,7 @@ class LeanLlama:
             return self._fused_pass(input_ids, cache, attention_mask, position_ids, logits_to_keep, visible)
         if (self.graphed is not None and batch == new == 1 and isinstance(cache, KVCache) and cache.batch == 1
                 and attention_mask is None and position_ids is None and visible is None):
-            return self._graphed_pass(input_ids, cache)
+            return self._graphed_pass(self.graphed, input_ids, cache)
         if position_ids is None:  # consecutive positions after the cache: a slice of the table
             self._grow_rotary_table(past + new)
             cos, sin = self._cos[None, None, past : past + new], self._sin[None, None, past : past + new]
@@ -261,12 +261,12 @@ class LeanLlama:
         keep = x[:, -logits_to_keep:] if logits_to_keep else x
         return LeanOutput(self.linear(self.normed(keep), self.lm_head), cache, keep)
 
-    def _graphed_pass(self, input_ids: torch.Tensor, cache: KVCache) -> LeanOutput:
+    def _graphed_pass(self, graphed: GraphedStep, input_ids: torch.Tensor, cache: KVCache) -> LeanOutput:
         """A one-token pass replayed as a CUDA graph recorded for this cache's buffers."""
         if cache.capacity - cache.length < GRAPH_HEADROOM // 4:  # grown well ahead: a new buffer, a new graph
             cache.reserve(cache.length + GRAPH_HEADROOM)
         self._grow_rotary_table(cache.capacity)
-        logits, hidden = self.graphed(input_ids, cache.length, cache.keys, cache.values, self._cos, self._sin)
+        logits, hidden = graphed(input_ids, cache.length, cache.keys, cache.values, self._cos, self._sin)
         cache.length += 1
         return LeanOutput(logits, cache, hidden)
 
