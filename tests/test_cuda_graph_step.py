@@ -1,8 +1,9 @@
 """The one-token step replayed as CUDA graphs (pipeline/llm/cuda_graph_step.py) against the same
 pass launched operation by operation, on the bundled target in float32.
 
-They need a CUDA device: bench/gpu_check.sh runs them with SPECVOX_LLM__DEVICE=cuda; elsewhere
-they skip, and the one test that runs checks that no graph is made off a GPU.
+The graphs need a CUDA device: bench/gpu_check.sh runs these tests with SPECVOX_LLM__DEVICE=cuda.
+Elsewhere two of them run: no graph is made off a GPU, and the recorded step's body, run
+eagerly, computes the eager step; the others skip.
 """
 
 from __future__ import annotations

@@ -193,8 +193,8 @@ def test_the_cases_cover_every_sampling_option_and_drafter(bundled, cases):
 
 def test_the_g_test_counts_a_reply_that_ends_where_others_go_on_once():
     """(1, 2) is both an outcome (replies that end after two tokens) and a prefix (of (1, 2, 3)
-    and others): counts exactly at expectation give G = 0 and expectations summing to N, and
-    moving replies from one branch to another is caught. (The G-test once took such a tuple's
+    and others): counts exactly at expectation give G = 0 (no bin expects mass another bin
+    holds), and moving replies from one branch to another is caught. (The G-test once took such a tuple's
     outcome mass for its prefix's, expecting 1,090 replies of 1,000 in a run of the benchmark.)"""
     from collections import Counter
 
