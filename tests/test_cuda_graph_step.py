@@ -1,9 +1,10 @@
-"""The one-token step replayed as CUDA graphs (pipeline/llm/cuda_graph_step.py) against the same
+"""Decoding and verification passes replayed as CUDA graphs (pipeline/llm/cuda_graph_step.py) against the same
 pass launched operation by operation, on the bundled target in float32.
 
 The graphs need a CUDA device: bench/gpu_check.sh runs these tests with SPECVOX_LLM__DEVICE=cuda.
-Elsewhere two of them run: no graph is made off a GPU, and the recorded step's body, run
-eagerly, computes the eager step; the others skip.
+Elsewhere the tests that need no graph run: no graph is made off a GPU; the recorded pass's body,
+run eagerly, computes the eager step, verification and tree verification; the buffers graphs are
+recorded over go from reply to reply. The others skip.
 """
 
 from __future__ import annotations
@@ -13,8 +14,12 @@ import os
 import pytest
 import torch
 
+from pipeline.llm.cuda_graph_step import GraphBuffers
+from pipeline.llm.kv_cache import KVCache
 from pipeline.llm.lean_llama import LeanLlama
 from pipeline.llm.model import LlmOptions, load_model
+from pipeline.llm.prefix_cache import PrefixCache
+from pipeline.llm.token_tree import TokenTree
 
 DEVICE = os.environ.get("SPECVOX_LLM__DEVICE", "cpu")
 on_cuda = pytest.mark.skipif(not (DEVICE.startswith("cuda") and torch.cuda.is_available()),
@@ -57,24 +62,92 @@ def test_no_graphs_off_a_gpu(lean: LeanLlama) -> None:
         assert lean.graphed is None
 
 
-def test_graph_body_computes_the_eager_step(lean: LeanLlama) -> None:
-    """What a graph records, run eagerly on any device: the fixed-shape step (position as a tensor,
-    attention over the whole capacity, masked) gives the eager step's logits and cache slot."""
-    prompt = prompt_ids(lean, 30)
-    eager = lean.eager()
-    out = eager(torch.tensor([prompt], device=DEVICE), logits_to_keep=1)
-    cache, token = out.cache, out.logits[:, -1:].argmax(-1)
-    cache.reserve(cache.length + 200)  # spare slots past the position: the mask must hide them
-    cache.keys[:, :, :, cache.length + 1 :] = 1e4  # and whatever they hold must not leak into attention
-    position = cache.length
+def graph_body(lean: LeanLlama, ids: torch.Tensor, cache: KVCache, positions: list[int] | None = None,
+               ancestors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`LeanLlama._graph_body` run eagerly on `cache` (its length moved past the pass, as
+    `_graphed_pass` does), for a chain or, with `positions` and `ancestors`, a tree."""
+    n = ids.shape[1]
+    start = cache.extend(n)
+    slots = list(range(start, start + n))
+    where = torch.tensor([positions or slots, slots], device=DEVICE)
+    if ancestors is None:
+        ancestors = torch.ones(n, n, dtype=torch.bool, device=DEVICE).tril()
     lean._grow_rotary_table(cache.capacity)  # as the graphed pass does before it records
-    logits, hidden = lean._graph_body(token, torch.tensor([position], device=DEVICE), cache.keys, cache.values,
-                                      lean._cos, lean._sin)
-    graph_keys = cache.keys[:, :, :, position].clone()
-    reference = eager(token, cache=cache, logits_to_keep=1)
+    return lean._graph_body(ids, where, ancestors, cache.keys, cache.values, lean._cos, lean._sin)
+
+
+def prefilled(lean: LeanLlama, prompt: list[int], spare: int = 200) -> KVCache:
+    """The prompt's cache, with spare slots full of junk past it: the mask must hide them."""
+    cache = lean(torch.tensor([prompt], device=DEVICE), logits_to_keep=1).cache
+    cache.reserve(cache.length + spare)
+    cache.keys[:, :, :, cache.length :] = 1e4
+    cache.values[:, :, :, cache.length :] = -1e4
+    return cache
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_graph_body_computes_the_eager_pass(lean: LeanLlama, n: int) -> None:
+    """What a graph records, run eagerly on any device: the fixed-shape pass (positions and slots
+    as tensors, attention over the whole capacity, masked) gives the eager pass's logits, features
+    and cache slots, for a one-token step and a five-token verification."""
+    eager = lean.eager()
+    prompt, tokens = prompt_ids(lean, 30), torch.tensor([prompt_ids(lean, n)], device=DEVICE)
+    graph_cache, eager_cache = prefilled(eager, prompt), prefilled(eager, prompt)
+    logits, hidden = graph_body(lean, tokens, graph_cache)
+    reference = eager(tokens, cache=eager_cache)
     assert torch.allclose(logits, reference.logits, atol=1e-4, rtol=1e-4)
     assert torch.allclose(hidden, reference.hidden, atol=1e-4, rtol=1e-4)
-    assert torch.allclose(graph_keys, cache.keys[:, :, :, position], atol=1e-5)
+    live = slice(0, eager_cache.length)
+    assert torch.allclose(graph_cache.keys[:, :, :, live], eager_cache.keys[:, :, :, live], atol=1e-5)
+    assert torch.allclose(graph_cache.values[:, :, :, live], eager_cache.values[:, :, :, live], atol=1e-5)
+
+
+def test_graph_body_verifies_a_token_tree_as_the_eager_pass_does(lean: LeanLlama) -> None:
+    """A tree's rows (positions by depth, each seeing its own path) through the recorded body equal
+    the eager pass given the same positions and mask."""
+    eager = lean.eager()
+    prompt = prompt_ids(lean, 25)
+    tree = TokenTree.from_paths([[11, 12, 13], [11, 14], [15]], max_nodes=8)
+    ids = torch.tensor([[7, *tree.tokens]], device=DEVICE)
+    graph_cache, eager_cache = prefilled(eager, prompt), prefilled(eager, prompt)
+    past = eager_cache.length
+    visible = tree.visible(past, DEVICE)
+    logits, _ = graph_body(lean, ids, graph_cache, tree.positions(past), visible[:, past:])
+    reference = eager(ids, cache=eager_cache, position_ids=torch.tensor([tree.positions(past)], device=DEVICE),
+                      visible=visible[None])
+    assert torch.allclose(logits, reference.logits, atol=1e-4, rtol=1e-4)
+
+
+def small_cache(lean: LeanLlama, length: int = 10) -> KVCache:
+    cache = KVCache(len(lean.layers), 1, lean.kv_heads, lean.head_dim, lean.embed.dtype, DEVICE, capacity=length)
+    cache.extend(length)
+    cache.keys[:, :, :, :length] = torch.randn_like(cache.keys[:, :, :, :length])
+    return cache
+
+
+def test_graph_buffers_hand_a_dropped_replys_buffer_to_the_next(lean: LeanLlama) -> None:
+    """Replies take free buffers (their live slots moved along), a dropped reply's buffer goes to the
+    next, a held view keeps it taken, a cache the prefix cache keeps moves out, and a reply past the
+    capacity or past the count runs eagerly."""
+    buffers = GraphBuffers(capacity=256, count=2)
+    first, second = small_cache(lean), small_cache(lean)
+    live = first.keys[:, :, :, :10].clone()
+    assert buffers.place(first, 11) and buffers.place(first, 11) and len(buffers.buffers) == 1
+    assert first.capacity == 256 and torch.equal(first.keys[:, :, :, :10], live)
+    assert buffers.place(second, 11) and len(buffers.buffers) == 2
+    assert not buffers.place(small_cache(lean), 11), "two buffers, both taken"
+    assert not buffers.place(first, 257), "past the capacity"
+    held = first.keys[:, :, :, :5]  # a slice kept after its cache is gone still reads the buffer
+    taken_by_first = first.keys.data_ptr()
+    del first
+    third = small_cache(lean)
+    assert not buffers.place(third, 11)
+    del held
+    assert buffers.place(third, 11) and third.keys.data_ptr() == taken_by_first
+    kept = second.keys[:, :, :, :10].clone()
+    PrefixCache(sessions=2).put("session", list(range(10)), second)  # kept for the session's next turn
+    assert not buffers.holds(second) and not second.borrowed and torch.equal(second.keys[:, :, :, :10], kept)
+    assert buffers.place(small_cache(lean), 11), "a kept cache leaves its buffer free"
 
 
 @on_cuda
@@ -94,20 +167,62 @@ def test_graphed_steps_decode_as_eager_steps(lean: LeanLlama, length: int) -> No
 
 @on_cuda
 def test_interleaved_replies_each_replay_their_own_graph(lean: LeanLlama) -> None:
-    """Two replies stepped in turn (two caches, two graphs) each equal their reply decoded alone,
-    and each cache is recorded once, not once a step."""
+    """Two replies stepped in turn (two buffers, two graphs) each equal their reply decoded alone,
+    and each buffer is recorded once, not once a step; a later reply takes a dropped reply's buffer
+    and replays its graph, recording nothing."""
     first, second = prompt_ids(lean, 11), prompt_ids(lean, 23)
     before = lean.graphed.recordings
     together = [Reply(lean, first), Reply(lean, second)]
     for _ in range(30):
         for reply in together:
             reply.step()
-    assert lean.graphed.recordings - before == 2
+    assert lean.graphed.recordings - before <= 2
     for prompt, reply in zip((first, second), together, strict=True):
         alone = Reply(lean.eager(), prompt)
         for _ in range(30):
             alone.step()
         assert reply.tokens == alone.tokens
+    del together, reply
+    recorded = lean.graphed.recordings
+    later = Reply(lean, prompt_ids(lean, 17))
+    for _ in range(10):
+        later.step()
+    assert lean.graphed.recordings == recorded, "a freed buffer's graph serves the next reply"
+
+
+@on_cuda
+@pytest.mark.parametrize("n", [2, 6])
+def test_graphed_verification_equals_the_eager_pass(lean: LeanLlama, n: int) -> None:
+    """A verification pass of n tokens replayed as a graph (recorded at the first, replayed at the
+    second) gives the eager pass's logits and leaves the same keys in the cache."""
+    for round_ in range(2):
+        prompt, draft = prompt_ids(lean, 40 + round_), torch.tensor([prompt_ids(lean, n)], device=DEVICE)
+        graphed, eager = Reply(lean, prompt), Reply(lean.eager(), prompt)
+        out = lean(draft, cache=graphed.cache, logits_to_keep=n)
+        reference = eager.lean(draft, cache=eager.cache, logits_to_keep=n)
+        assert lean.graph_buffers.holds(graphed.cache)
+        assert torch.allclose(out.logits, reference.logits, atol=1e-3, rtol=1e-3)
+        assert torch.equal(out.logits.argmax(-1), reference.logits.argmax(-1))
+        live = slice(0, eager.cache.length)
+        assert graphed.cache.length == eager.cache.length
+        assert torch.allclose(graphed.cache.keys[:, :, :, live], eager.cache.keys[:, :, :, live], atol=1e-4)
+
+
+@on_cuda
+def test_graphed_tree_verification_equals_the_eager_pass(lean: LeanLlama) -> None:
+    """A token tree's verification replayed as a graph, twice with different trees of one size (the
+    ancestors are an input, not a recorded constant), equals the eager tree pass."""
+    for paths in ([[11, 12, 13], [11, 14], [15]], [[21], [22, 23], [22, 24, 25]]):
+        tree = TokenTree.from_paths(paths, max_nodes=8)
+        prompt = prompt_ids(lean, 33)
+        graphed, eager = Reply(lean, prompt), Reply(lean.eager(), prompt)
+        past = eager.cache.length
+        ids = torch.tensor([[graphed.tokens[-1], *tree.tokens]], device=DEVICE)
+        extra = {"position_ids": torch.tensor([tree.positions(past)], device=DEVICE),
+                 "visible": tree.visible(past, DEVICE)[None]}
+        out = lean(ids, cache=graphed.cache, logits_to_keep=ids.shape[1], **extra)
+        reference = eager.lean(ids, cache=eager.cache, logits_to_keep=ids.shape[1], **extra)
+        assert torch.allclose(out.logits, reference.logits, atol=1e-3, rtol=1e-3)
 
 
 @on_cuda
@@ -124,3 +239,18 @@ def test_rollback_then_graphed_step_overwrites_the_dropped_slot(lean: LeanLlama)
         for _ in range(10):
             reply.step()
     assert replies[0].tokens == replies[1].tokens
+
+
+def test_recording_ahead_records_each_chain_length_once(lean: LeanLlama) -> None:
+    """`record_graphs` (the engine's warm-up) records chains of 1 to n tokens; a second call, and a
+    reply's passes of those lengths after it, record nothing. Off a GPU it records nothing at all."""
+    if lean.graphed is None:
+        assert lean.record_graphs(9) == 0
+        return
+    lean.record_graphs(9)
+    assert lean.record_graphs(9) == 0
+    recorded = lean.graphed.recordings
+    reply = Reply(lean, prompt_ids(lean, 20))
+    for n in (1, 4, 9):
+        lean(torch.tensor([prompt_ids(lean, n)], device=DEVICE), cache=reply.cache, logits_to_keep=n)
+    assert lean.graphed.recordings == recorded

@@ -1,18 +1,22 @@
-"""One-token decoding steps replayed as CUDA graphs, where a GPU step is launch overhead.
+"""Decoding and verification passes replayed as CUDA graphs, where a GPU pass is launch overhead.
 
-On an H200 a plain step of the bundled 135M target took ~14 ms (docs/benchmarks.md, "GPU
-check"): a pass of 0.3 GFLOP spread over some 400 kernels, each launched from Python. A CUDA
-graph records those launches once and replays them with one call (gpt-fast reaches the same
-end with `torch.compile(mode="reduce-overhead")`). A graph fixes its tensors' shapes and
-addresses, so the step it records (`LeanLlama._graph_body`) takes its position from a device
-tensor, writes the new key and value at that slot (`index_copy_`) and attends over the cache's
-whole capacity, masked to the slots up to the position.
+On an H200 a plain step of the bundled 135M target took ~14 ms eagerly (docs/benchmarks.md,
+"GPU check"): a pass of 0.3 GFLOP spread over some 400 kernels, each launched from Python, and a
+verification pass of a few rows costs the same launches. A CUDA graph records those launches
+once and replays them with one call (gpt-fast reaches the same end with
+`torch.compile(mode="reduce-overhead")`; vLLM records one graph per batch size). A graph fixes
+its tensors' shapes and addresses, so the pass it records (`LeanLlama._graph_body`) takes its
+tokens' positions and cache slots from device tensors, writes the new keys and values at those
+slots (`index_copy_`) and attends over the cache's whole capacity, masked to what each token
+may see: the slots before the pass and its own ancestors among the pass's tokens (a chain's
+earlier tokens, or a token tree's path, Miao et al. 2024).
 
-A graph is recorded for each set of buffers it reads (a reply's KV cache, the rotary tables):
-`LeanLlama` grows a cache `GRAPH_HEADROOM` slots ahead of need, so a long reply is recorded
-again every few hundred tokens, not every `kv_cache.CHUNK_TOKENS`. The graphs of the last
-`MAX_GRAPHS` caches are kept (each holds its buffers alive: a graph must never write into
-memory that was freed and handed out again).
+A graph is recorded per pass length (1 for a plain step, 1 + draft for a verification) and per
+cache buffer. So that a new reply does not record again, a reply's cache moves into one of a few
+buffers of a fixed capacity that `GraphBuffers` hands from reply to reply (vLLM and gpt-fast keep
+one static cache for the same reason). Graphs are kept least recently used first, up to
+`MAX_GRAPHS`; their intermediate memory is one pool they share, which is safe because replays are
+serialized and each replay's outputs are copied out before the next.
 """
 
 from __future__ import annotations
@@ -21,74 +25,144 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-GRAPH_HEADROOM = 512  # slots a cache grows by ahead of a graphed step, so it is recorded again rarely
-MAX_GRAPHS = 4  # caches whose graphs are kept (concurrent replies, a session's cache kept between turns)
+from pipeline.llm.kv_cache import KVCache
+
+GRAPH_CACHE_TOKENS = 4096  # capacity of the cache buffers graphs are recorded over (`llm.cuda_graph_tokens`)
+GRAPH_BUFFERS = 4  # such buffers: replies decoding at once with graphs (another one runs eagerly)
+MAX_GRAPHS = 64  # graphs kept: pass lengths × buffers
 WARMUP_PASSES = 2  # eager passes on a side stream before recording (cuBLAS and the allocator settle)
 
-# body(ids [1, 1], position [1] int64, *buffers) -> (logits [1, 1, V], hidden [1, 1, hidden_size])
-StepBody = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# body(ids [1, n], where [2, n] int64 (positions, slots), ancestors [n, n] bool, *buffers)
+#   -> (logits [1, n, V], hidden [1, n, hidden_size])
+PassBody = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
 class _Recorded:
     graph: torch.cuda.CUDAGraph
-    ids: torch.Tensor  # the graph's input token [1, 1]
-    position: torch.Tensor  # the graph's slot [1]
+    ids: torch.Tensor  # the graph's inputs, written before each replay
+    where: torch.Tensor
+    ancestors: torch.Tensor
     logits: torch.Tensor  # its outputs, overwritten by each replay
     hidden: torch.Tensor
-    buffers: tuple[torch.Tensor, ...]  # kept alive while the graph may write into them
+    buffers: tuple[torch.Tensor, ...]  # kept alive while the graph may read or write them
 
 
-class GraphedStep:
-    """`body` recorded once per set of buffers and replayed: `step(ids, position, *buffers)`
-    computes what `body` computes, as one launch."""
+class GraphedPass:
+    """`body` recorded once per pass length, pass kind (a chain or a tree) and set of buffers, and
+    replayed: `__call__` computes what `body` computes, as one launch."""
 
-    def __init__(self, body: StepBody, max_graphs: int = MAX_GRAPHS) -> None:
+    def __init__(self, body: PassBody, max_graphs: int = MAX_GRAPHS) -> None:
         self.body, self.max_graphs = body, max_graphs
         self.graphs: OrderedDict[tuple, _Recorded] = OrderedDict()
         self.recordings = 0  # graphs recorded so far (tests and benchmarks read it)
+        self._pool: Any = None  # the graphs' shared memory pool, made at the first recording
         self._lock = threading.Lock()  # a replay and the copies of its outputs happen together
 
-    def __call__(self, ids: torch.Tensor, position: int, *buffers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits and hidden state of token `ids` [1, 1] at slot `position`; fresh tensors."""
-        key = tuple((b.data_ptr(), tuple(b.shape), b.dtype) for b in buffers)
+    def __call__(self, ids: torch.Tensor, start: int, positions: list[int] | None, ancestors: torch.Tensor | None,
+                 keep: int, *buffers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits and hidden states of the last `keep` of tokens `ids` [1, n] written at slots
+        start.., fresh tensors. A chain (`positions` and `ancestors` None): the tokens follow each
+        other at positions start... A tree: each token at its own position, seeing the cache
+        before `start` and the pass's tokens marked in its row of `ancestors` [n, n]."""
+        n = ids.shape[1]
+        key = (n, ancestors is not None, *((b.data_ptr(), tuple(b.shape), b.dtype) for b in buffers))
+        slots = list(range(start, start + n))
+        where = torch.tensor([slots if positions is None else positions, slots], dtype=torch.int64)
         with self._lock:
             recorded = self.graphs.get(key)
             if recorded is None:
-                recorded = self._record(ids, position, buffers)
+                if ancestors is None:  # a chain's, recorded once: each token sees itself and those before it
+                    ancestors = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+                recorded = self._record(ids, where.to(ids.device), ancestors, buffers)
                 self.graphs[key] = recorded
                 while len(self.graphs) > self.max_graphs:
                     self.graphs.popitem(last=False)
             else:
                 self.graphs.move_to_end(key)
                 recorded.ids.copy_(ids)
-                recorded.position.fill_(position)
+                recorded.where.copy_(where)
+                if ancestors is not None:
+                    recorded.ancestors.copy_(ancestors)
             recorded.graph.replay()
-            return recorded.logits.clone(), recorded.hidden.clone()
+            return recorded.logits[:, n - keep :].clone(), recorded.hidden[:, n - keep :].clone()
 
-    def _record(self, ids: torch.Tensor, position: int, buffers: tuple[torch.Tensor, ...]) -> _Recorded:
-        """Warm up on a side stream, then record one step (recording runs nothing: the caller replays).
-        The warm-up passes write this step's key and value at `position`, as the replay will."""
-        static_ids = ids.clone()
-        static_position = torch.full((1,), position, dtype=torch.int64, device=ids.device)
-        side = torch.cuda.Stream(ids.device)
-        side.wait_stream(torch.cuda.current_stream(ids.device))
+    def _record(self, ids: torch.Tensor, where: torch.Tensor, ancestors: torch.Tensor,
+                buffers: tuple[torch.Tensor, ...]) -> _Recorded:
+        """Warm up on a side stream, then record one pass (recording runs nothing: the caller replays).
+        The warm-up passes write this pass's keys and values at its slots, as the replay will."""
+        static = (ids.clone(), where.clone(), ancestors.clone())
+        device = ids.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(WARMUP_PASSES):
-                self.body(static_ids, static_position, *buffers)
-        torch.cuda.current_stream(ids.device).wait_stream(side)
+                self.body(*static, *buffers)
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits, hidden = self.body(static_ids, static_position, *buffers)
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits, hidden = self.body(*static, *buffers)
         self.recordings += 1
-        return _Recorded(graph, static_ids, static_position, logits, hidden, buffers)
+        return _Recorded(graph, *static, logits, hidden, buffers)
+
+
+class GraphBuffers:
+    """Up to `count` KV cache buffers of `capacity` slots, handed from reply to reply, so that the
+    graphs recorded over one serve every reply that holds it later.
+
+    A buffer is free when nothing but this object holds its memory: a cache placed in it holds a
+    view, and so does anything cut from that cache (`torch`'s storage use count says so), so a
+    cache that is dropped frees its buffer and a buffer is never handed out while anything can
+    still read it. The buffers live as long as this object: a graph never writes into memory that
+    was freed and handed out again. A cache kept past its reply (a session's, in the prefix cache)
+    moves to buffers of its own (`KVCache.borrowed`, `KVCache.move_to_own`)."""
+
+    def __init__(self, capacity: int = GRAPH_CACHE_TOKENS, count: int = GRAPH_BUFFERS) -> None:
+        self.capacity, self.count = capacity, count
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._alone = 0  # a buffer's storage use count with nothing but this object holding it
+
+    def holds(self, cache: KVCache) -> bool:
+        return any(cache.keys.data_ptr() == keys.data_ptr() for keys, _ in self.buffers)
+
+    def place(self, cache: KVCache, needed: int) -> bool:
+        """Whether `cache` is in one of the buffers, moved into a free one if it was not; false when
+        `needed` slots do not fit or every buffer is taken (the pass then runs eagerly)."""
+        if needed > self.capacity or cache.batch != 1:
+            return False
+        if self.holds(cache):
+            return True
+        shape = (*cache.keys.shape[:3], self.capacity, cache.keys.shape[4])
+        free = [pair for pair in self.buffers if pair[0].shape == shape and self._free(*pair)]
+        if not free and len(self.buffers) < self.count:
+            self.buffers.append((cache.keys.new_zeros(shape), cache.values.new_zeros(shape)))
+            self._alone = _uses(self.buffers[-1][0])
+            free = self.buffers[-1:]
+        if not free:
+            return False
+        keys, values = free[0]
+        cache.move_to(keys.view(shape), values.view(shape), borrowed=True)  # views: their hold shows in the use count
+        return True
+
+    def _free(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Nothing but this object's own tensors refers to the buffers' memory."""
+        return _uses(keys) == _uses(values) == self._alone
+
+
+def _uses(buffer: torch.Tensor) -> int:
+    """How many tensors (views included) hold the buffer's memory, plus what asking adds."""
+    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata)
 
 
 def graphs_apply(device: torch.device, row_invariant: bool) -> bool:
-    """Graphs replace the eager one-token step on a CUDA device where the pass is not row-invariant.
+    """Graphs replace eager decoding and verification passes on a CUDA device where the pass is not
+    row-invariant.
 
     A row-invariant pass (16-bit dtypes) computes each verification row exactly as its own
     one-token step does, attending over exactly the live slots; a graph's fixed-shape attention

@@ -277,6 +277,8 @@ class Generator:
         """A short generation with each drafter, so the first request does not pay for lazy
         initialisation (the `quantized` drafter builds its 4-bit copy of the target here)."""
         prompt = tuple(self.loaded.tokenizer.encode("Hello"))  # type: ignore[attr-defined]
+        if isinstance(self.forward, LeanLlama) and any(d != "none" for d in drafters):
+            self.forward.record_graphs(GenerationRequest.max_draft_tokens + 1)  # CUDA: verification passes
         for drafter in drafters:
             for _ in self.steps(GenerationRequest(prompt, new_tokens, drafter)):
                 pass

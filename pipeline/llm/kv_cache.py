@@ -40,6 +40,9 @@ class KVCache:
         self.keys = torch.zeros(shape, dtype=dtype, device=device)  # [L, B, H_kv, C, D]
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
+        # its buffers are lent (the CUDA graphs' `cuda_graph_step.GraphBuffers`): they go back when the
+        # cache is dropped, so a cache kept past its reply moves to buffers of its own (`move_to_own`)
+        self.borrowed = False
 
     @property
     def capacity(self) -> int:
@@ -57,6 +60,19 @@ class KVCache:
         if total > self.capacity:
             size = _chunked(total)
             self.keys, self.values = _grown(self.keys, size), _grown(self.values, size)
+            self.borrowed = False
+
+    def move_to(self, keys: torch.Tensor, values: torch.Tensor, borrowed: bool = False) -> None:
+        """Hold the live slots in `keys` and `values` from now on: buffers of this layout with room
+        for them (`borrowed`: lent by the CUDA graphs' `cuda_graph_step.GraphBuffers`)."""
+        keys[:, :, :, : self.length] = self.keys[:, :, :, : self.length]
+        values[:, :, :, : self.length] = self.values[:, :, :, : self.length]
+        self.keys, self.values, self.borrowed = keys, values, borrowed
+
+    def move_to_own(self) -> None:
+        """Hold the live slots in new buffers of its own, with a chunk to spare."""
+        shape = (*self.keys.shape[:3], _chunked(self.length + CHUNK_TOKENS), self.keys.shape[4])
+        self.move_to(self.keys.new_zeros(shape), self.values.new_zeros(shape))
 
     def extend(self, new: int) -> int:
         """Claim `new` slots after the live ones (growing the buffers if need be); returns the first."""

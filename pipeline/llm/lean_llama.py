@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from pipeline.llm.cuda_graph_step import GRAPH_HEADROOM, GraphedStep, graphs_apply
+from pipeline.llm.cuda_graph_step import GRAPH_CACHE_TOKENS, GraphBuffers, GraphedPass, graphs_apply
 from pipeline.llm.exact_codes import ExactCodesLinear
 from pipeline.llm.kv_cache import KVCache
 from pipeline.llm.weight_kernels import (
@@ -90,7 +90,8 @@ class LeanLlama:
     positions, a cache, `logits_to_keep`), returning the logits and the grown cache."""
 
     def __init__(self, model: Any, packed: bool = True, weights: str = "dense",
-                 row_invariant: bool | None = None, fused: bool = True, graphs: bool = True) -> None:
+                 row_invariant: bool | None = None, fused: bool = True, graphs: bool = True,
+                 graph_tokens: int = GRAPH_CACHE_TOKENS) -> None:
         """`packed`: dense float32 weights are multiplied through MKL-packed copies where that
         kernel applies (`PackedLinear`). `weights="int4-exact"`: the weights as the 4- and 8-bit
         codes they were stored in, float32 arithmetic (`ExactCodesLinear`; a float32 model on
@@ -100,8 +101,9 @@ class LeanLlama:
         None: in 16-bit dtypes, where the rounding of another kernel path flips tokens. `fused`: with
         int4-exact weights, a decoding pass runs its decoder layers in one C++ call (`LeanStep`,
         kernels/lean_step.cpp) where the shapes allow; false: through torch's operations. `graphs`:
-        on a CUDA device, a one-token pass is replayed as a CUDA graph where that applies
-        (`cuda_graph_step.graphs_apply`; `llm.cuda_graphs`)."""
+        on a CUDA device, decoding and verification passes of one reply are replayed as CUDA graphs
+        where that applies (`cuda_graph_step.graphs_apply`; `llm.cuda_graphs`), over cache buffers of
+        `graph_tokens` slots (`llm.cuda_graph_tokens`; a longer reply runs eagerly)."""
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a plain Llama model")
         if weights not in WEIGHT_FORMS:
@@ -125,8 +127,8 @@ class LeanLlama:
         self._cos = self._sin = self.embed.new_zeros(0, self.head_dim)
         self.fused = fused
         self.step = self._lean_step()
-        self.graphs = graphs
-        self.graphed = self._graphed_step()
+        self.graphs, self.graph_tokens = graphs, graph_tokens
+        self.graphed, self.graph_buffers = self._graphed_pass_parts()
         # None, or a float64 [4] tensor to which the C++ pass adds its seconds by part (products,
         # attention, cache writes, norms/rotary/elementwise): bench/step_split.py reads it
         self.timings: torch.Tensor | None = None
@@ -147,11 +149,12 @@ class LeanLlama:
         return linear.kernels.LeanStep(norms[0], records[0], records[1], norms[1], records[2], records[3],
                                        self.heads, self.kv_heads, self.head_dim, self.eps)
 
-    def _graphed_step(self) -> GraphedStep | None:
-        """This pass's one-token step as CUDA graphs (`_graph_body`), where they apply; else None."""
+    def _graphed_pass_parts(self) -> tuple[GraphedPass | None, GraphBuffers | None]:
+        """This pass's decoding passes as CUDA graphs (`_graph_body`) and the cache buffers they are
+        recorded over, where graphs apply; else None and None."""
         if not (self.graphs and graphs_apply(self.embed.device, self.row_invariant)):
-            return None
-        return GraphedStep(self._graph_body)
+            return None, None
+        return GraphedPass(self._graph_body), GraphBuffers(self.graph_tokens)
 
     def _linear(self, packed: bool, weights: str) -> Linear:
         layer_weights = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -196,9 +199,12 @@ class LeanLlama:
             raise ValueError("a visible mask goes with position_ids, without attention_mask, in a decoding pass")
         if self.step is not None and decoding and isinstance(cache, KVCache) and cache.batch == batch:
             return self._fused_pass(input_ids, cache, attention_mask, position_ids, logits_to_keep, visible)
-        if (self.graphed is not None and batch == new == 1 and isinstance(cache, KVCache) and cache.batch == 1
-                and attention_mask is None and position_ids is None and visible is None):
-            return self._graphed_pass(self.graphed, input_ids, cache)
+        # graphed: one reply's step or verification (a chain or a tree); a one-token pass is its own row
+        if (self.graphed is not None and self.graph_buffers is not None and batch == 1 and decoding
+                and isinstance(cache, KVCache) and attention_mask is None
+                and (position_ids is None) == (visible is None) and (new == 1 or not rows_alone)
+                and self.graph_buffers.place(cache, past + new)):
+            return self._graphed_pass(self.graphed, input_ids, cache, position_ids, visible, logits_to_keep)
         if position_ids is None:  # consecutive positions after the cache: a slice of the table
             self._grow_rotary_table(past + new)
             cos, sin = self._cos[None, None, past : past + new], self._sin[None, None, past : past + new]
@@ -261,28 +267,52 @@ class LeanLlama:
         keep = x[:, -logits_to_keep:] if logits_to_keep else x
         return LeanOutput(self.linear(self.normed(keep), self.lm_head), cache, keep)
 
-    def _graphed_pass(self, graphed: GraphedStep, input_ids: torch.Tensor, cache: KVCache) -> LeanOutput:
-        """A one-token pass replayed as a CUDA graph recorded for this cache's buffers."""
-        if cache.capacity - cache.length < GRAPH_HEADROOM // 4:  # grown well ahead: a new buffer, a new graph
-            cache.reserve(cache.length + GRAPH_HEADROOM)
-        self._grow_rotary_table(cache.capacity)
-        logits, hidden = graphed(input_ids, cache.length, cache.keys, cache.values, self._cos, self._sin)
-        cache.length += 1
+    def _graphed_pass(self, graphed: GraphedPass, input_ids: torch.Tensor, cache: KVCache,
+                      position_ids: torch.Tensor | None, visible: torch.Tensor | None,
+                      logits_to_keep: int) -> LeanOutput:
+        """A pass of one reply replayed as a CUDA graph recorded for its length and the cache's buffer."""
+        new = input_ids.shape[1]
+        self._grow_rotary_table(cache.capacity)  # every position a graph over this buffer can read
+        start = cache.extend(new)
+        positions = None if position_ids is None else position_ids[0].tolist()
+        ancestors = None if visible is None else visible[0, :, start : start + new]
+        logits, hidden = graphed(input_ids, start, positions, ancestors, logits_to_keep or new,
+                                 cache.keys, cache.values, self._cos, self._sin)
         return LeanOutput(logits, cache, hidden)
 
-    def _graph_body(self, ids: torch.Tensor, position: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    cos_table: torch.Tensor, sin_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """What `GraphedStep` records: the one-token pass of `ids` [1, 1] at slot `position` [1] (a
-        device tensor), with shapes that do not depend on it: the key and value go to their slot
-        by `index_copy_`, and attention covers the cache's whole capacity, masked to the slots up to
-        the position. Same arithmetic as `__call__`, but for the attention's masked reduction."""
-        cos, sin = cos_table.index_select(0, position)[None, None], sin_table.index_select(0, position)[None, None]
-        seen = (torch.arange(keys.shape[3], device=ids.device) <= position)[None, None, None]  # [1, 1, 1, capacity]
+    def record_graphs(self, tokens: int) -> int:
+        """Record the graphs of chain passes of 1 to `tokens` tokens over one of the graphs' buffers
+        now, so the first replies do not pay for them (vLLM records its graphs at start up too);
+        returns how many were recorded. Tree passes and the other buffers record at first use."""
+        if self.graphed is None:
+            return 0
+        before = self.graphed.recordings
+        cache = KVCache(len(self.layers), 1, self.kv_heads, self.head_dim, self.embed.dtype, self.embed.device,
+                        capacity=tokens)
+        ids = torch.zeros((1, tokens), dtype=torch.int64, device=self.embed.device)
+        for n in range(1, tokens + 1):
+            cache.crop(0)
+            self(ids[:, :n], cache=cache)
+        return self.graphed.recordings - before
+
+    def _graph_body(self, ids: torch.Tensor, where: torch.Tensor, ancestors: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `GraphedPass` records: the pass of `ids` [1, n] at positions `where[0]` written to
+        cache slots `where[1]` (device tensors), with shapes that do not depend on them. The keys
+        and values go to their slots by `index_copy_`; attention covers the cache's whole capacity,
+        masked to the slots before the pass and, of the pass's own tokens, those `ancestors` [n, n]
+        marks in the token's row (a chain's: itself and the tokens before it). Same arithmetic as
+        `__call__`, but for the attention's masked reduction."""
+        positions, slots = where[0], where[1]
+        cos, sin = cos_table.index_select(0, positions)[None, None], sin_table.index_select(0, positions)[None, None]
+        before = torch.arange(keys.shape[3], device=ids.device) < slots[:1]  # [capacity]: the cache before the pass
+        seen = before.expand(ids.shape[1], -1).contiguous().index_copy_(1, slots, ancestors)[None, None]
 
         def attend(index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             layer_keys, layer_values = keys[index], values[index]  # [1, H_kv, capacity, D]
-            layer_keys.index_copy_(2, position, k)
-            layer_values.index_copy_(2, position, v)
+            layer_keys.index_copy_(2, slots, k)
+            layer_values.index_copy_(2, slots, v)
             return F.scaled_dot_product_attention(q, layer_keys, layer_values, attn_mask=seen,
                                                   enable_gqa=self.heads != self.kv_heads)
 
@@ -302,7 +332,7 @@ class LeanLlama:
         shallow = copy.copy(self)
         shallow.layers = self.layers[:layers]
         shallow.step = shallow._lean_step()
-        shallow.graphed = shallow._graphed_step()  # its own graphs, of its own body
+        shallow.graphed, shallow.graph_buffers = shallow._graphed_pass_parts()  # its own graphs and buffers
         shallow.config = copy.deepcopy(self.config)  # its caches hold `layers` layers
         shallow.config.num_hidden_layers = layers
         if getattr(shallow.config, "layer_types", None):
@@ -314,14 +344,14 @@ class LeanLlama:
         (what `llm.fused_step=false` runs; bench/step_split.py compares the two)."""
         plain = copy.copy(self)
         plain.fused, plain.step, plain.timings = False, None, None
-        plain.graphed = plain._graphed_step()
+        plain.graphed, plain.graph_buffers = plain._graphed_pass_parts()
         return plain
 
     def eager(self) -> LeanLlama:
         """This pass on the same weights with every step launched operation by operation, no CUDA
         graphs (bench spec's `specvox-none-eager` control; the graph tests' reference)."""
         plain = copy.copy(self)
-        plain.graphed = None
+        plain.graphed = plain.graph_buffers = None
         return plain
 
     @property

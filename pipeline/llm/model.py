@@ -63,9 +63,13 @@ class LlmOptions:
     # weights=int4-exact: a decoding pass runs its decoder layers in one C++ call (kernels/lean_step.cpp);
     # false: through torch's operations (the same arithmetic, ~1,200 operations a step)
     fused_step: bool = True
-    # On a CUDA device, a one-token decoding step is replayed as a CUDA graph (pipeline/llm/cuda_graph_step.py)
-    # where the pass is not row-invariant (float32); false: launched operation by operation.
+    # On a CUDA device, one reply's decoding steps and verification passes are replayed as CUDA graphs
+    # (pipeline/llm/cuda_graph_step.py) where the pass is not row-invariant (float32); false: launched
+    # operation by operation.
     cuda_graphs: bool = True
+    # the slots of the cache buffers graphs are recorded over (4 such buffers, allocated as replies need
+    # them); a reply whose prompt and tokens do not fit runs eagerly
+    cuda_graph_tokens: int = 4096
     # "dense": the weights as loaded, in `dtype`. "int4-exact": kept as the 4- and 8-bit codes a
     # quantized checkpoint (the bundled Q4_1 GGUF) stored them in, dequantized exactly to float32 in
     # the kernel (pipeline/llm/exact_codes.py): float32 outputs, a sixth of the memory traffic; needs
@@ -283,7 +287,7 @@ def _lean_pass(model: Any, options: LlmOptions) -> LeanLlama | None:
                              f"pass); {options.model!r} is a {type(model).__name__}")
         return None
     return LeanLlama(model, options.pack_weights, options.weights, fused=options.fused_step,
-                     graphs=options.cuda_graphs)
+                     graphs=options.cuda_graphs, graph_tokens=options.cuda_graph_tokens)
 
 
 def _auto_lean_pass(model: Any, options: LlmOptions, reason: str) -> tuple[LeanLlama | None, str, str]:

@@ -136,6 +136,8 @@ class PrefixCache:
         held = cache.get_seq_length()
         if held != len(tokens):
             raise ValueError(f"a cache of {held} positions cannot stand for {len(tokens)} tokens")
+        if getattr(cache, "borrowed", False):  # lent by the CUDA graphs for one reply: kept in its own
+            cache.move_to_own()
         self._entries.pop(key, None)
         self._entries[key] = CachedPrefix(tuple(tokens), cache, cache_nbytes(cache))
         while len({_session_of(k) for k in self._entries}) > self.sessions:
