@@ -10,15 +10,18 @@ recorded over go from reply to reply. The others skip.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 
-from pipeline.llm.cuda_graph_step import GraphBuffers
+from pipeline.llm.cuda_graph_step import GraphBuffers, GraphedPass, Stopwatch, _Recorded
+from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.kv_cache import KVCache
 from pipeline.llm.lean_llama import LeanLlama
 from pipeline.llm.model import LlmOptions, load_model
 from pipeline.llm.prefix_cache import PrefixCache
+from pipeline.llm.prompts import Task, chat_messages, encode_chat
 from pipeline.llm.token_tree import TokenTree
 
 DEVICE = os.environ.get("SPECVOX_LLM__DEVICE", "cpu")
@@ -160,6 +163,7 @@ def test_graphed_steps_decode_as_eager_steps(lean: LeanLlama, length: int) -> No
     for _ in range(40):
         graphed.step()
         eager.step()
+    assert lean.graph_buffers.holds(graphed.cache), "the reply ran in a graphs' buffer, not eagerly"
     assert graphed.tokens == eager.tokens
     worst = max(float((a - b).abs().max()) for a, b in zip(graphed.logits, eager.logits, strict=True))
     assert worst < 1e-3, f"graphed logits drift {worst:.2e} from the eager pass's"
@@ -170,12 +174,14 @@ def test_interleaved_replies_each_replay_their_own_graph(lean: LeanLlama) -> Non
     """Two replies stepped in turn (two buffers, two graphs) each equal their reply decoded alone,
     and each buffer is recorded once, not once a step; a later reply takes a dropped reply's buffer
     and replays its graph, recording nothing."""
-    first, second = prompt_ids(lean, 11), prompt_ids(lean, 23)
+    first, second = prompt_ids(lean, 41), prompt_ids(lean, 53)  # prefilled eagerly: longer than any graphed pass
     before = lean.graphed.recordings
     together = [Reply(lean, first), Reply(lean, second)]
     for _ in range(30):
         for reply in together:
             reply.step()
+    assert all(lean.graph_buffers.holds(reply.cache) for reply in together), "each reply in a buffer of its own"
+    assert together[0].cache.keys.data_ptr() != together[1].cache.keys.data_ptr()
     assert lean.graphed.recordings - before <= 2
     for prompt, reply in zip((first, second), together, strict=True):
         alone = Reply(lean.eager(), prompt)
@@ -184,9 +190,10 @@ def test_interleaved_replies_each_replay_their_own_graph(lean: LeanLlama) -> Non
         assert reply.tokens == alone.tokens
     del together, reply
     recorded = lean.graphed.recordings
-    later = Reply(lean, prompt_ids(lean, 17))
+    later = Reply(lean, prompt_ids(lean, 47))
     for _ in range(10):
         later.step()
+    assert lean.graph_buffers.holds(later.cache), "a dropped reply's buffer is free again"
     assert lean.graphed.recordings == recorded, "a freed buffer's graph serves the next reply"
 
 
@@ -250,7 +257,49 @@ def test_recording_ahead_records_each_chain_length_once(lean: LeanLlama) -> None
     lean.record_graphs(9)
     assert lean.record_graphs(9) == 0
     recorded = lean.graphed.recordings
-    reply = Reply(lean, prompt_ids(lean, 20))
+    reply = Reply(lean, prompt_ids(lean, 40))
     for n in (1, 4, 9):
         lean(torch.tensor([prompt_ids(lean, n)], device=DEVICE), cache=reply.cache, logits_to_keep=n)
     assert lean.graphed.recordings == recorded
+
+
+class SlowRecordingStandIn(GraphedPass):
+    """A CPU stand-in for the CUDA graph a `GraphedPass` captures: capturing runs the recorded body
+    once and takes `RECORDING_S` more (on an H200 a recording costs some twenty replays); a replay
+    runs the body on the static inputs. The recording clock and the engine's timing are the real ones."""
+
+    RECORDING_S = 0.25
+
+    def _capture(self, static, buffers):  # noqa: ANN001, ANN202 - the parent's signature
+        time.sleep(self.RECORDING_S)
+        logits, hidden = self.body(*static, *buffers)
+
+        class Replay:
+            @staticmethod
+            def replay() -> None:
+                out_logits, out_hidden = self.body(*static, *buffers)
+                logits.copy_(out_logits)
+                hidden.copy_(out_hidden)
+
+        return _Recorded(Replay(), *static, logits, hidden)
+
+
+def test_a_recording_is_not_taken_for_the_price_of_its_pass() -> None:
+    """The engine times its passes with `Stopwatch`, which leaves out graph recordings: a reply whose
+    passes record (slowly) is timed at what its passes cost, and its drafting is judged on that."""
+    loaded = load_model(LlmOptions(dtype="float32", device="cpu", weights="dense"))
+    lean = loaded.lean
+    lean.graphed, lean.graph_buffers = SlowRecordingStandIn(lean._graph_body), GraphBuffers()
+    generator = Generator(loaded)
+    transcript = ("Rewrite this transcript as a clean caption, keeping the speaker's words: so um we we shipped "
+                  "the new build on friday and the the crash reports dropped by half over the weekend")
+    prompt = tuple(encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, transcript)))
+    watch = Stopwatch()
+    steps = list(generator.steps(GenerationRequest(prompt, 24, "ngram")))
+    stats, wall = steps[-1].stats, watch.seconds
+    recordings = lean.graphed.recordings
+    assert recordings >= 3, "the reply's passes ran through the stand-in's graphs"
+    slept = recordings * SlowRecordingStandIn.RECORDING_S
+    assert wall < Stopwatch().started - watch.started - 0.9 * slept, "the stopwatch leaves the recordings out"
+    assert stats.prefill_s + stats.target_s + stats.draft_s < wall
+    assert stats.accepted_draft_tokens > 0, "drafting judged on its passes' cost, not the recordings'"

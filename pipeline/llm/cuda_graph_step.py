@@ -22,6 +22,7 @@ serialized and each replay's outputs are copied out before the next.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,11 +35,44 @@ from pipeline.llm.kv_cache import KVCache
 GRAPH_CACHE_TOKENS = 4096  # capacity of the cache buffers graphs are recorded over (`llm.cuda_graph_tokens`)
 GRAPH_BUFFERS = 4  # such buffers: replies decoding at once with graphs (another one runs eagerly)
 MAX_GRAPHS = 64  # graphs kept: pass lengths × buffers
+# the longest pass recorded: a verification of a 16-token draft or tree (engine.TREE_MAX_NODES) and the
+# token before it; longer passes (a prompt's prefill) run eagerly, each length being rare
+MAX_GRAPHED_TOKENS = 17
 WARMUP_PASSES = 2  # eager passes on a side stream before recording (cuBLAS and the allocator settle)
 
 # body(ids [1, n], where [2, n] int64 (positions, slots), ancestors [n, n] bool, *buffers)
 #   -> (logits [1, n, V], hidden [1, n, hidden_size])
 PassBody = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+class _RecordingClock:
+    """Seconds spent recording graphs, every `GraphedPass` of the process together."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self.seconds += seconds
+
+
+_RECORDING = _RecordingClock()
+
+
+class Stopwatch:
+    """Seconds since it started, less what recording CUDA graphs took meanwhile.
+
+    A pass that records a graph costs some twenty replays (warm-up passes and the capture), once;
+    the engine's cost model learns a pass's price from its time, and a recording taken for that
+    price turned drafting off on an H200 (the guard saw a verification pass cost 20 steps)."""
+
+    def __init__(self) -> None:
+        self.started, self.recorded = time.perf_counter(), _RECORDING.seconds
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started - (_RECORDING.seconds - self.recorded)
 
 
 @dataclass
@@ -49,7 +83,9 @@ class _Recorded:
     ancestors: torch.Tensor
     logits: torch.Tensor  # its outputs, overwritten by each replay
     hidden: torch.Tensor
-    buffers: tuple[torch.Tensor, ...]  # kept alive while the graph may read or write them
+    # No reference to the buffers it reads and writes: a graph is replayed only for buffers at the
+    # very addresses, shapes and strides it was recorded with (its key), so it touches only memory
+    # its caller holds; a reference would keep a `GraphBuffers` buffer from ever being free again.
 
 
 class GraphedPass:
@@ -70,7 +106,7 @@ class GraphedPass:
         other at positions start... A tree: each token at its own position, seeing the cache
         before `start` and the pass's tokens marked in its row of `ancestors` [n, n]."""
         n = ids.shape[1]
-        key = (n, ancestors is not None, *((b.data_ptr(), tuple(b.shape), b.dtype) for b in buffers))
+        key = (n, ancestors is not None, *((b.data_ptr(), tuple(b.shape), b.stride(), b.dtype) for b in buffers))
         slots = list(range(start, start + n))
         where = torch.tensor([slots if positions is None else positions, slots], dtype=torch.int64)
         with self._lock:
@@ -93,10 +129,23 @@ class GraphedPass:
 
     def _record(self, ids: torch.Tensor, where: torch.Tensor, ancestors: torch.Tensor,
                 buffers: tuple[torch.Tensor, ...]) -> _Recorded:
+        """One pass recorded (`_capture`), its seconds on the recording clock (`Stopwatch`)."""
+        cuda = ids.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(ids.device)  # the work queued before is the pass's, not the recording's
+        started = time.perf_counter()
+        recorded = self._capture((ids.clone(), where.clone(), ancestors.clone()), buffers)
+        if cuda:
+            torch.cuda.synchronize(ids.device)
+        _RECORDING.add(time.perf_counter() - started)
+        self.recordings += 1
+        return recorded
+
+    def _capture(self, static: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 buffers: tuple[torch.Tensor, ...]) -> _Recorded:
         """Warm up on a side stream, then record one pass (recording runs nothing: the caller replays).
         The warm-up passes write this pass's keys and values at its slots, as the replay will."""
-        static = (ids.clone(), where.clone(), ancestors.clone())
-        device = ids.device
+        device = static[0].device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
@@ -108,8 +157,7 @@ class GraphedPass:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             logits, hidden = self.body(*static, *buffers)
-        self.recordings += 1
-        return _Recorded(graph, *static, logits, hidden, buffers)
+        return _Recorded(graph, *static, logits, hidden)
 
 
 class GraphBuffers:

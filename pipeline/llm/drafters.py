@@ -8,13 +8,13 @@ then the tokens committed by earlier steps.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from pipeline.llm.cuda_graph_step import Stopwatch
 from pipeline.llm.lean_llama import LeanLlama
 from pipeline.llm.model import rollback
 from pipeline.llm.sampling import RandomSource, SamplingOptions, generator_at, logits_to_probs, sample
@@ -284,13 +284,13 @@ class ModelDrafter:
 
     def _pass(self, tokens: list[int], rows_alone: bool = False) -> torch.Tensor:
         extra = {"rows_alone": True} if rows_alone and isinstance(self.model, LeanLlama) else {}
-        started = time.perf_counter()
+        started = Stopwatch()
         out = self.model(input_ids=torch.tensor([tokens], device=self.device), cache=self._cache,
                          use_cache=True, logits_to_keep=1, **extra)
         if len(tokens) <= self.STEADY_TOKENS:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self._steady.append(time.perf_counter() - started)
+            self._steady.append(started.seconds)
         self._cache = out.cache
         self._cached.extend(tokens)
         logits = out.logits[0, -1]

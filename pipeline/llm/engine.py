@@ -21,7 +21,6 @@ drawn per output position (sampling.PositionalRandom).
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from typing import Any
 import torch
 
 from pipeline.llm.budget import CostMeter
+from pipeline.llm.cuda_graph_step import Stopwatch
 from pipeline.llm.detokenize import IncrementalDetokenizer
 from pipeline.llm.draft_head import HeadDrafter, TrainedHead, find_heads
 from pipeline.llm.draft_length import (
@@ -308,7 +308,7 @@ class Generator:
         cache = cached if cached is not None else cache
         head = context[reused : prompt_len - 1]
         tail = context[max(reused, prompt_len - 1) : -1]
-        started = time.perf_counter()
+        started = Stopwatch()
         if head:
             out = self.forward(input_ids=torch.tensor([head], device=self.loaded.device), cache=cache,
                                use_cache=True, logits_to_keep=1)
@@ -320,7 +320,7 @@ class Generator:
             cache = self.replay(tail, cache)
         if (head or tail) and self.loaded.device.type == "cuda":
             torch.cuda.synchronize(self.loaded.device)
-        decoder.prefilled(reused, time.perf_counter() - started)
+        decoder.prefilled(reused, started.seconds)
         return cache
 
     @property
@@ -519,7 +519,7 @@ class RequestDecoder:
         if self.guard is not None:
             self.guard_drafts = self.guard.drafting() if drafting is None else drafting
             limit = limit if self.guard_drafts else 0
-        started = time.perf_counter()
+        started = Stopwatch()
         gamma = 0
         if self.drafter.name == "none" or (limit < 1 and not self.draft_every_position):
             draft = EMPTY
@@ -536,7 +536,7 @@ class RequestDecoder:
             draft = self.drafter.propose(self.context, drafted) if drafted else EMPTY
             gamma = min(gamma, len(draft.tokens))
         synchronize(self.device)
-        self.draft_s = time.perf_counter() - started
+        self.draft_s = started.seconds
         self.draft, self.match = list(draft.tokens[:gamma]), draft.match
         self.tree = None
         if tree and gamma and draft.branches:
@@ -717,11 +717,11 @@ class _Run:
                 return
             decoder.propose(tree=self.trees and isinstance(self.cache, KVCache))
             past = len(decoder.context) - 1
-            started = time.perf_counter()
+            started = Stopwatch()  # a graph recorded in the pass is not its price
             logits = self._forward([decoder.context[-1], *decoder.draft], keep_logits=len(decoder.draft) + 1,
                                    tree=decoder.tree)
             synchronize(self.loaded.device)  # time the pass, not its launch: the cost model learns from it
-            decoder.verify(logits, time.perf_counter() - started, features=self.features)
+            decoder.verify(logits, started.seconds, features=self.features)
             if decoder.tree is not None:  # the accepted path's keys and values, moved after the root's
                 assert isinstance(self.cache, KVCache)
                 self.cache.keep_slots(past + 1, [past + 1 + node for node in decoder.kept])

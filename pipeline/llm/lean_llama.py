@@ -39,7 +39,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from pipeline.llm.cuda_graph_step import GRAPH_CACHE_TOKENS, GraphBuffers, GraphedPass, graphs_apply
+from pipeline.llm.cuda_graph_step import (
+    GRAPH_CACHE_TOKENS,
+    MAX_GRAPHED_TOKENS,
+    GraphBuffers,
+    GraphedPass,
+    graphs_apply,
+)
 from pipeline.llm.exact_codes import ExactCodesLinear
 from pipeline.llm.kv_cache import KVCache
 from pipeline.llm.weight_kernels import (
@@ -200,7 +206,7 @@ class LeanLlama:
         if self.step is not None and decoding and isinstance(cache, KVCache) and cache.batch == batch:
             return self._fused_pass(input_ids, cache, attention_mask, position_ids, logits_to_keep, visible)
         # graphed: one reply's step or verification (a chain or a tree); a one-token pass is its own row
-        if (self.graphed is not None and self.graph_buffers is not None and batch == 1 and decoding
+        if (self.graphed is not None and self.graph_buffers is not None and batch == 1 and new <= MAX_GRAPHED_TOKENS
                 and isinstance(cache, KVCache) and attention_mask is None
                 and (position_ids is None) == (visible is None) and (new == 1 or not rows_alone)
                 and self.graph_buffers.place(cache, past + new)):
