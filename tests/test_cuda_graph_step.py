@@ -9,6 +9,7 @@ recorded over go from reply to reply. The others skip.
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 
@@ -303,3 +304,15 @@ def test_a_recording_is_not_taken_for_the_price_of_its_pass() -> None:
     assert wall < Stopwatch().started - watch.started - 0.9 * slept, "the stopwatch leaves the recordings out"
     assert stats.prefill_s + stats.target_s + stats.draft_s < wall
     assert stats.accepted_draft_tokens > 0, "drafting judged on its passes' cost, not the recordings'"
+
+
+def test_a_deep_copy_of_a_cache_in_a_buffer_is_its_own(lean: LeanLlama) -> None:
+    """The end-of-turn scorer deep-copies a cache: the copy holds the live slots in buffers of its
+    own (not the buffer's whole capacity), and the buffer stays the original's."""
+    buffers = GraphBuffers(capacity=1024, count=1)
+    cache = small_cache(lean)
+    assert buffers.place(cache, 11)
+    twin = copy.deepcopy(cache)
+    assert not twin.borrowed and twin.capacity < 1024 and twin.length == cache.length
+    assert torch.equal(twin.keys[:, :, :, :10], cache.keys[:, :, :, :10])
+    assert buffers.holds(cache) and not buffers.holds(twin)

@@ -18,6 +18,7 @@ which serve a `DynamicCache` too (the transformers model still fills those).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -74,6 +75,12 @@ class KVCache:
         shape = (*self.keys.shape[:3], _chunked(self.length + CHUNK_TOKENS), self.keys.shape[4])
         self.move_to(self.keys.new_zeros(shape), self.values.new_zeros(shape))
 
+    def __deepcopy__(self, memo: dict) -> KVCache:
+        """A copy of the live slots in buffers of its own (not a copy of a lent buffer's whole capacity)."""
+        twin = copy.copy(self)
+        twin.move_to_own()
+        return twin
+
     def extend(self, new: int) -> int:
         """Claim `new` slots after the live ones (growing the buffers if need be); returns the first."""
         start = self.length
@@ -113,6 +120,7 @@ class KVCache:
         """Each row `repeats` times, in place (`DynamicCache`'s; the end-of-turn scorer's marks)."""
         self.keys = self.keys.repeat_interleave(repeats, dim=1)
         self.values = self.values.repeat_interleave(repeats, dim=1)
+        self.borrowed = False
 
     @property
     def layers(self) -> list[LayerView]:
