@@ -87,7 +87,9 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
         encoded = [encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, p)) for p in prompts[workload][:limit]]
         runs = {method: _Tally() for method in methods}
         for i, prompt in enumerate(encoded):  # every method on one prompt, then the next: load drifts alike
-            for method in methods:
+            # and in reverse order every other prompt, so a method's place in the round (after the HF
+            # baselines' allocations, say) weighs on every method alike
+            for method in methods if i % 2 == 0 else methods[::-1]:
                 runner = runners.get(method, generator)
                 runs[method].add(*_measure(method, runner, prompt, max_new_tokens, settings.llm, llama_cpp))
             print(f"  {workload} prompt {i + 1}/{len(encoded)}: " + ", ".join(
