@@ -13,9 +13,9 @@ Variants (services/allocator.py): `glibc` (the moving mmap threshold), `fixed-4k
 huge pages), and `fixed-32m` (the threshold where glibc's moving one ends, 32 MiB, from the
 start: every buffer from the heap, the level reached in the warm-up rather than at some later
 long phrase; the tts's default). Where the system has jemalloc (Debian: `libjemalloc2`),
-`jemalloc`: the same service with jemalloc preloaded in place of glibc's malloc, its freed pages
-handed back after a second by a background thread (`MALLOC_CONF`), as PyTorch's CPU performance
-guide and several inference servers run long-lived model processes.
+`jemalloc`: the same service with jemalloc preloaded in place of glibc's malloc (`malloc_library`),
+its freed pages handed back after a second by a background thread, the allocator PyTorch's CPU
+performance tuning guide suggests for long-lived model processes.
 """
 
 from __future__ import annotations
@@ -44,10 +44,8 @@ VARIANTS = {
     "fixed-huge": {"SPECVOX_MALLOC_MMAP_THRESHOLD": '{"tts": 262144}', "SPECVOX_MALLOC_HUGE_PAGES": "true"},
     "fixed-32m": {"SPECVOX_MALLOC_MMAP_THRESHOLD": '{"tts": 33554432}', "SPECVOX_MALLOC_HUGE_PAGES": "false"},
 }
-JEMALLOC = ctypes.util.find_library("jemalloc")  # "libjemalloc.so.2", where installed
-if JEMALLOC:
-    VARIANTS["jemalloc"] = {"SPECVOX_MALLOC_MMAP_THRESHOLD": "{}", "LD_PRELOAD": JEMALLOC,
-                            "MALLOC_CONF": "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"}
+if ctypes.util.find_library("jemalloc"):  # malloc_library: services/allocator.py
+    VARIANTS["jemalloc"] = {"SPECVOX_MALLOC_LIBRARY": '{"tts": "jemalloc"}'}
 
 
 def texts(seed: int):

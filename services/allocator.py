@@ -87,16 +87,41 @@ def tunables(mmap_threshold: int, huge_pages: bool) -> str:
     return ":".join(entries)
 
 
-def exec_with_tunables(mmap_threshold: int, huge_pages: bool) -> None:
-    """Start this process again, the same command, with the tunables in its environment, unless
-    it already has them (then, and where nothing is asked or it is not glibc, return at once).
-    Call it first thing: nothing done before it survives the exec."""
-    wanted = tunables(mmap_threshold, huge_pages)
-    present = os.environ.get("GLIBC_TUNABLES", "")
-    if not wanted or _glibc() is None or "glibc.malloc.mmap_threshold=" in present:
-        return
-    env = dict(os.environ, GLIBC_TUNABLES=f"{present}:{wanted}" if present else wanted)
-    log.debug("restarting with GLIBC_TUNABLES=%s", env["GLIBC_TUNABLES"])
+JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"  # freed pages back after ~1 s
+LIBRARIES = ("", "jemalloc")  # malloc_library: glibc's own, or jemalloc preloaded
+
+
+def preload(library: str) -> dict[str, str]:
+    """The environment that starts a process on `library`'s malloc ("": glibc's, nothing to set)."""
+    if library not in LIBRARIES:
+        raise ValueError(f"malloc_library {library!r}: choose one of {', '.join(repr(n) for n in LIBRARIES)}")
+    if not library:
+        return {}
+    path = ctypes.util.find_library(library)
+    if path is None:
+        raise RuntimeError(f"malloc_library={library}: lib{library} is not installed "
+                           f"(Debian and Ubuntu: apt-get install lib{library}2), or set malloc_library to \"\"")
+    present = os.environ.get("LD_PRELOAD", "")
+    return {"LD_PRELOAD": f"{path}:{present}" if present else path, "MALLOC_CONF": JEMALLOC_CONF}
+
+
+def exec_with_tunables(mmap_threshold: int, huge_pages: bool, library: str = "") -> None:
+    """Start this process again, the same command, with the tunables (or `library`'s malloc
+    preloaded, where glibc's tunables do not apply) in its environment, unless it already has them
+    (then, and where nothing is asked or it is not glibc, return at once). Call it first thing:
+    nothing done before it survives the exec."""
+    if library:
+        preloaded = preload(library)
+        if os.path.basename(preloaded["LD_PRELOAD"].split(":")[0]) in os.environ.get("LD_PRELOAD", ""):
+            return
+        env = dict(os.environ, **preloaded)
+    else:
+        wanted = tunables(mmap_threshold, huge_pages)
+        present = os.environ.get("GLIBC_TUNABLES", "")
+        if not wanted or _glibc() is None or "glibc.malloc.mmap_threshold=" in present:
+            return
+        env = dict(os.environ, GLIBC_TUNABLES=f"{present}:{wanted}" if present else wanted)
+    log.debug("restarting with LD_PRELOAD=%s GLIBC_TUNABLES=%s", env.get("LD_PRELOAD"), env.get("GLIBC_TUNABLES"))
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve" and argv is None:  # started as a command: it may start again, tuned
         from services import allocator
 
-        allocator.exec_with_tunables(settings.malloc_mmap_threshold.get(args.service, 0), settings.malloc_huge_pages)
+        allocator.exec_with_tunables(settings.malloc_mmap_threshold.get(args.service, 0), settings.malloc_huge_pages,
+                                     settings.malloc_library.get(args.service, ""))
     configure_logging(os.environ.get("SPECVOX_LOG_LEVEL", "WARNING" if args.command == "client" else "INFO"),
                       settings.log_format, args.service if args.command == "serve" else "")
     if args.command == "keys":

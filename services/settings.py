@@ -86,6 +86,10 @@ class Settings(BaseSettings):
     # 262144}) holds ~70 MB less but synthesizes slower (docs/reliability.md, `bench tts-allocator`).
     malloc_mmap_threshold: dict[str, int] = {"tts": 32 << 20}
     malloc_huge_pages: bool = False
+    # By service: "jemalloc" starts it with jemalloc preloaded in place of glibc's malloc (Debian:
+    # libjemalloc2), freed pages handed back after a second by its background thread; glibc's
+    # settings above then do not apply to it. A service not named keeps glibc's.
+    malloc_library: dict[str, str] = {}
     turn_budget_ms: int = 800
     token_stream_ttl_s: int = 3600
     session_ttl_s: int = 24 * 3600

@@ -91,3 +91,34 @@ def test_tunables_are_asked_only_for_a_fixed_threshold():
         "glibc.malloc.mmap_threshold=262144:glibc.malloc.trim_threshold=524288:glibc.malloc.hugetlb=1")
     assert allocator.tunables(262144, huge_pages=False) == (
         "glibc.malloc.mmap_threshold=262144:glibc.malloc.trim_threshold=524288")
+
+
+def test_a_preloaded_malloc_is_named_clearly_or_refused():
+    assert allocator.preload("") == {}
+    with pytest.raises(ValueError, match="malloc_library 'tcmalloc'"):
+        allocator.preload("tcmalloc")
+
+
+_MALLOC_IN_USE = """
+import sys
+from services import allocator
+allocator.exec_with_tunables(0, False, sys.argv[1])
+print(any("jemalloc" in line for line in open("/proc/self/maps")))
+"""
+
+
+@pytest.mark.skipif(__import__("ctypes.util").util.find_library("jemalloc") is None,
+                    reason="jemalloc is not installed (Debian: apt-get install libjemalloc2; .ci/run installs it)")
+def test_malloc_library_starts_the_process_again_on_jemalloc():
+    import os
+    import subprocess
+    import sys
+
+    def on_jemalloc(library: str) -> str:
+        env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "GLIBC_TUNABLES")}
+        run = subprocess.run([sys.executable, "-c", _MALLOC_IN_USE, library], capture_output=True, text=True,
+                             check=True, env=env)
+        return run.stdout.strip()
+
+    assert on_jemalloc("jemalloc") == "True"
+    assert on_jemalloc("") == "False"
