@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pipeline.llm import exact_codes, gguf_cache
+from pipeline.llm.cuda_graph_step import GRAPH_CACHE_TOKENS
 from pipeline.llm.lean_llama import WEIGHT_FORMS, LeanLlama
 from pipeline.llm.lean_llama import supports as lean_supports
 from pipeline.llm.weight_kernels import INT4_GROUP, Int4Linear
@@ -67,9 +68,9 @@ class LlmOptions:
     # (pipeline/llm/cuda_graph_step.py) where the pass is not row-invariant (float32); false: launched
     # operation by operation.
     cuda_graphs: bool = True
-    # the slots of the cache buffers graphs are recorded over (4 such buffers, allocated as replies need
-    # them); a reply whose prompt and tokens do not fit runs eagerly
-    cuda_graph_tokens: int = 4096
+    # the slots of the cache buffers graphs are recorded over (`cuda_graph_step.GRAPH_BUFFERS`, allocated as
+    # replies need them); a reply whose prompt and tokens do not fit runs eagerly
+    cuda_graph_tokens: int = GRAPH_CACHE_TOKENS
     # "dense": the weights as loaded, in `dtype`. "int4-exact": kept as the 4- and 8-bit codes a
     # quantized checkpoint (the bundled Q4_1 GGUF) stored them in, dequantized exactly to float32 in
     # the kernel (pipeline/llm/exact_codes.py): float32 outputs, a sixth of the memory traffic; needs
