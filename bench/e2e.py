@@ -532,7 +532,7 @@ async def _run_sessions(address: str, scripts: list[list[Line]], settings) -> li
 
 
 def run(settings, session_counts: tuple[int, ...], turns: int, json_path: str | None, out_dir: str) -> int:
-    from services.demo import _start_stack, _wait_ready
+    from services.demo import specvox_up
 
     work = Path(tempfile.mkdtemp(prefix="specvox-e2e-"))
     rng = random.Random(12)
@@ -546,10 +546,8 @@ def run(settings, session_counts: tuple[int, ...], turns: int, json_path: str | 
     os.environ.update({f"SPECVOX_{name.upper()}_PORT": str(port) for name, port in ports.items()})
     address = f"{settings.host}:{ports['gateway']}"
     log = work / "up.log"
-    up = _start_stack(log)
     results: dict[str, dict] = {}
-    try:
-        _wait_ready(up, log)
+    with specvox_up(log):
         for n in session_counts:
             print(f"{n} session{'s' if n > 1 else ''} × {turns} turns …", flush=True)
             started = time.monotonic()
@@ -558,12 +556,6 @@ def run(settings, session_counts: tuple[int, ...], turns: int, json_path: str | 
             s = results[str(n)]
             print(f"  {s['answered_turns']} answered turns in {s['wall_s']:.0f} s; "
                   f"voice to voice p50 {s['voice_to_voice_ms']['p50']} ms", flush=True)
-    finally:
-        up.send_signal(2)
-        try:
-            up.wait(30)
-        except subprocess.TimeoutExpired:
-            up.kill()
     print(f"specvox up log: {log}")
     if not results:
         return 1

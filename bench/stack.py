@@ -5,7 +5,7 @@ given to `specvox up` as its Redis URL, as the tests' stack is (tests/conftest.p
 embedded Valkey keeps its generated password to itself, and a benchmark reads Redis too. Its
 append-only file lives in a temporary directory (a benchmark's sessions do not belong in the
 default one, which a running `specvox up` holds locked). A configured `redis_url` is used
-instead. Started and waited for by the same code as bench e2e and the demo (services.demo).
+instead. Started, waited for and stopped by the same code as bench e2e and the demo (services.demo).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.e2e import _free_port
-from services.demo import _start_stack, _wait_ready
+from services.demo import specvox_up
 
 SERVICES = ("gateway", "asr", "llm", "tts")
 
@@ -61,7 +61,7 @@ class Stack:
 
 @contextlib.contextmanager
 def running_stack(settings, log_dir: Path) -> Iterator[Stack]:
-    """`specvox up` on free ports until the block ends, then Ctrl-C (killed if it will not stop)."""
+    """`specvox up` on free ports until the block ends (services.demo.specvox_up stops it)."""
     from services.redis_store import EmbeddedRedis
 
     ports = {name: _free_port() for name in SERVICES}
@@ -75,14 +75,6 @@ def running_stack(settings, log_dir: Path) -> Iterator[Stack]:
         os.environ.update({f"SPECVOX_{name.upper()}_PORT": str(port) for name, port in ports.items()})
         os.environ.update(SPECVOX_REDIS_URL=redis_url, SPECVOX_REDIS__DATA_DIR=str(data_dir / "up"))
         log = log_dir / "up.log"
-        up = _start_stack(log)
-        try:
-            _wait_ready(up, log)
+        with specvox_up(log) as up:
             yield Stack(up, {name: f"{settings.host}:{port}" for name, port in ports.items()}, redis_url, log,
                         pid_file)
-        finally:
-            up.send_signal(2)
-            try:
-                up.wait(30)
-            except subprocess.TimeoutExpired:
-                up.kill()

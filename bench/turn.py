@@ -17,7 +17,7 @@ import numpy as np
 
 from bench.prompts import load_prompts
 from services.client import ClientOptions, converse
-from services.demo import _start_stack, _wait_ready
+from services.demo import specvox_up
 
 
 def questions(limit: int) -> list[str]:
@@ -32,10 +32,8 @@ def run(settings, turns: int, json_path: str | None) -> int:
     for i, text in enumerate(questions(turns)):
         wavs.append((text, str(work / f"q{i}.wav")))
         say_to_file(settings, text, wavs[-1][1], sample_rate_hz=16_000, pad_s=0.5)
-    up = _start_stack(work / "up.log")
     rows, restarted = [], 0
-    try:
-        _wait_ready(up, work / "up.log")
+    with specvox_up(work / "up.log"):
         for text, wav in wavs:
             results = asyncio.run(converse(settings.address("gateway"), wav,
                                            ClientOptions(api_key=settings.auth.api_key, tls=settings.tls)))
@@ -46,9 +44,6 @@ def run(settings, turns: int, json_path: str | None) -> int:
             restarted += sum(r["finish_reason"] == "cancelled" and r["preemption"] != "dropped" for r in reports)
             rows += [_row(text, r) for r in answered]
             print(f"  {len(rows)}/{len(wavs)} turns", flush=True)
-    finally:
-        up.send_signal(2)
-        up.wait(30)
     print_table(rows)
     print(f"turns restarted because the user spoke on before hearing the reply: {restarted}")
     if json_path:

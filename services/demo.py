@@ -8,16 +8,21 @@ writes reply.wav, captions.vtt and report.json.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 DEFAULT_QUESTION = "Can you recommend a good book for a long train ride?"
 READY_LINE = "all services ready"
 START_TIMEOUT_S = 300
+STOP_TIMEOUT_S = 30  # Ctrl-C drains every service (their drain grace, 10 s by default), then SIGKILL
+PROGRESS_EVERY_S = 10.0
 
 
 def run_demo(settings, wav: str | None, out_dir: str, question: str = DEFAULT_QUESTION) -> int:
@@ -29,42 +34,75 @@ def run_demo(settings, wav: str | None, out_dir: str, question: str = DEFAULT_QU
     if not wav:
         wav = str(out / "question.wav")
         say_to_file(settings, question, wav, sample_rate_hz=16_000, pad_s=0.5)
-    log_path = out / "up.log"
-    up = _start_stack(log_path)
-    try:
-        _wait_ready(up, log_path)
+    with specvox_up(out / "up.log"):
         print(f"streaming {wav} to the gateway in real time …", flush=True)
         options = ClientOptions(max_message_bytes=settings.max_message_bytes, api_key=settings.auth.api_key,
                                 tls=settings.tls)
         turns = asyncio.run(converse(settings.address("gateway"), wav, options))
         report = write_outputs(turns, str(out))
-    finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(30)
-        except subprocess.TimeoutExpired:
-            up.kill()
     print_summary(report, out)
     return 0
 
 
-def _start_stack(log_path: Path) -> subprocess.Popen:
+@contextlib.contextmanager
+def specvox_up(log_path: Path) -> Iterator[subprocess.Popen]:
+    """`specvox up` (its output in `log_path`) from ready until the block ends, then Ctrl-C, and
+    SIGKILL if it has not stopped in STOP_TIMEOUT_S. The demo's and the benchmarks' one way to run
+    the stack. A SIGTERM to this process meanwhile ends the block too, so that the stack is not
+    left running without its parent."""
     print(f"starting specvox up (log: {log_path}) …", flush=True)
     with open(log_path, "wb") as log:
-        return subprocess.Popen([sys.executable, "-m", "services.cli", "up"], stdout=log,
-                                stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        up = subprocess.Popen([sys.executable, "-m", "services.cli", "up"], stdout=log,
+                              stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        with _terminate_as_interrupt():
+            _wait_ready(up, log_path)
+            yield up
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt, as Ctrl-C does, so `finally` blocks run (in the main
+    thread only, where Python delivers signals; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _wait_ready(up: subprocess.Popen, log_path: Path) -> None:
-    started = time.monotonic()
+    """Until the log says every service is ready; the time so far on one line rewritten on a
+    terminal, a line every PROGRESS_EVERY_S otherwise (a log file)."""
+    started, said = time.monotonic(), 0.0
+    on_terminal = sys.stdout.isatty()
     while READY_LINE not in log_path.read_text(errors="replace"):
         elapsed = time.monotonic() - started
         if up.poll() is not None or elapsed > START_TIMEOUT_S:
             tail = log_path.read_text(errors="replace")[-2000:]
             raise SystemExit(f"specvox up did not become ready:\n{tail}")
-        print(f"\r  loading models … {elapsed:4.0f} s", end="", flush=True)
+        if on_terminal:
+            print(f"\r  loading models … {elapsed:4.0f} s", end="", flush=True)
+        elif elapsed - said >= PROGRESS_EVERY_S:
+            said = elapsed
+            print(f"  loading models … {elapsed:.0f} s", flush=True)
         time.sleep(0.5)
-    print(f"\r  all four services ready after {time.monotonic() - started:.0f} s", flush=True)
+    print(f"{chr(13) if on_terminal else ''}  all four services ready after {time.monotonic() - started:.0f} s",
+          flush=True)
 
 
 def print_summary(report: dict, out: Path) -> None:

@@ -254,3 +254,25 @@ print(untouched == start, sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t 
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1]).stdout.split(maxsplit=1)
     assert out == ["True", "[7]\n"]
+
+
+_SIGTERM_INSIDE_THE_STACK_BLOCK = """
+import os, signal
+from services.demo import _terminate_as_interrupt
+try:
+    with _terminate_as_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
+        signal.pause()  # not reached: the signal raises at once
+except KeyboardInterrupt as e:
+    print("interrupted:", e)
+print("handler restored:", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
+"""
+
+
+def test_sigterm_to_a_benchmark_ends_its_stack_block_as_ctrl_c_does():
+    """A benchmark or the demo killed by SIGTERM runs the `finally` that stops its `specvox up`
+    (services.demo.specvox_up), instead of dying and leaving the stack running."""
+    run = subprocess.run([sys.executable, "-c", _SIGTERM_INSIDE_THE_STACK_BLOCK], capture_output=True, text=True,
+                         cwd=ROOT, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == ["interrupted: signal SIGTERM", "handler restored: True"]
