@@ -88,28 +88,51 @@ def tunables(mmap_threshold: int, huge_pages: bool) -> str:
 
 
 JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"  # freed pages back after ~1 s
-LIBRARIES = ("", "jemalloc")  # malloc_library: glibc's own, or jemalloc preloaded
+# malloc_library: glibc's own, jemalloc preloaded (an error where it is not installed), or "auto":
+# jemalloc where it is installed, else glibc's with a warning (the default's choice, so that a
+# machine with only Python and pip still runs).
+LIBRARIES = ("", "jemalloc", "auto")
+
+
+def resolve(library: str, service: str = "") -> str:
+    """The library `library` names here: "auto" becomes "jemalloc" where it is installed, else ""."""
+    if library not in LIBRARIES:
+        raise ValueError(f"malloc_library {library!r}: choose one of {', '.join(repr(n) for n in LIBRARIES)}")
+    if library != "auto":
+        return library
+    if ctypes.util.find_library("jemalloc") is not None:
+        return "jemalloc"
+    log.warning("%smalloc_library=auto: libjemalloc is not installed, so glibc's malloc serves (its heap "
+                "grows slowly over hours; Debian and Ubuntu: apt-get install libjemalloc2)",
+                f"{service}: " if service else "")
+    return ""
 
 
 def preload(library: str) -> dict[str, str]:
-    """The environment that starts a process on `library`'s malloc ("": glibc's, nothing to set)."""
-    if library not in LIBRARIES:
-        raise ValueError(f"malloc_library {library!r}: choose one of {', '.join(repr(n) for n in LIBRARIES)}")
+    """The environment that starts a process on `library`'s malloc ("": glibc's, nothing to set).
+    A MALLOC_CONF already in the environment comes after ours, so its options win (jemalloc reads
+    the pairs in order): an operator can tune or profile (`prof:true`) without a code change."""
+    library = resolve(library)
     if not library:
         return {}
     path = ctypes.util.find_library(library)
     if path is None:
         raise RuntimeError(f"malloc_library={library}: lib{library} is not installed "
-                           f"(Debian and Ubuntu: apt-get install lib{library}2), or set malloc_library to \"\"")
-    present = os.environ.get("LD_PRELOAD", "")
-    return {"LD_PRELOAD": f"{path}:{present}" if present else path, "MALLOC_CONF": JEMALLOC_CONF}
+                           f"(Debian and Ubuntu: apt-get install lib{library}2), or set malloc_library to \"auto\" "
+                           f"or \"\"")
+    present, conf = os.environ.get("LD_PRELOAD", ""), os.environ.get("MALLOC_CONF", "")
+    if conf.startswith(JEMALLOC_CONF):  # ours already (a process started by one that was preloaded)
+        conf = conf[len(JEMALLOC_CONF):].lstrip(",")
+    return {"LD_PRELOAD": f"{path}:{present}" if present else path,
+            "MALLOC_CONF": f"{JEMALLOC_CONF},{conf}" if conf else JEMALLOC_CONF}
 
 
-def exec_with_tunables(mmap_threshold: int, huge_pages: bool, library: str = "") -> None:
+def exec_with_tunables(mmap_threshold: int, huge_pages: bool, library: str = "", service: str = "") -> None:
     """Start this process again, the same command, with the tunables (or `library`'s malloc
     preloaded, where glibc's tunables do not apply) in its environment, unless it already has them
     (then, and where nothing is asked or it is not glibc, return at once). Call it first thing:
-    nothing done before it survives the exec."""
+    nothing done before it survives the exec. `service` names the process in a warning."""
+    library = resolve(library, service)
     if library:
         preloaded = preload(library)
         if os.path.basename(preloaded["LD_PRELOAD"].split(":")[0]) in os.environ.get("LD_PRELOAD", ""):

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         from services import allocator
 
         allocator.exec_with_tunables(settings.malloc_mmap_threshold.get(args.service, 0), settings.malloc_huge_pages,
-                                     settings.malloc_library.get(args.service, ""))
+                                     settings.malloc_library.get(args.service, ""), args.service)
     configure_logging(os.environ.get("SPECVOX_LOG_LEVEL", "WARNING" if args.command == "client" else "INFO"),
                       settings.log_format, args.service if args.command == "serve" else "")
     if args.command == "keys":

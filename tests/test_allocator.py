@@ -121,4 +121,28 @@ def test_malloc_library_starts_the_process_again_on_jemalloc():
         return run.stdout.strip()
 
     assert on_jemalloc("jemalloc") == "True"
+    assert on_jemalloc("auto") == "True"  # installed here, so auto takes it
     assert on_jemalloc("") == "False"
+
+
+@pytest.mark.skipif(__import__("ctypes.util").util.find_library("jemalloc") is None,
+                    reason="jemalloc is not installed (Debian: apt-get install libjemalloc2; .ci/run installs it)")
+def test_an_operators_malloc_conf_comes_after_ours(monkeypatch):
+    monkeypatch.setenv("MALLOC_CONF", "prof:true")
+    assert allocator.preload("jemalloc")["MALLOC_CONF"] == f"{allocator.JEMALLOC_CONF},prof:true"
+    monkeypatch.setenv("MALLOC_CONF", f"{allocator.JEMALLOC_CONF},prof:true")  # a child of a preloaded process
+    assert allocator.preload("jemalloc")["MALLOC_CONF"] == f"{allocator.JEMALLOC_CONF},prof:true"
+    monkeypatch.delenv("MALLOC_CONF")
+    assert allocator.preload("jemalloc")["MALLOC_CONF"] == allocator.JEMALLOC_CONF
+
+
+def test_auto_falls_back_to_glibc_with_a_warning_where_jemalloc_is_missing(monkeypatch, caplog):
+    import ctypes.util
+
+    real = ctypes.util.find_library
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None if name == "jemalloc" else real(name))
+    assert allocator.resolve("auto", "tts") == ""
+    assert "tts: malloc_library=auto: libjemalloc is not installed" in caplog.text
+    assert allocator.preload("auto") == {}
+    with pytest.raises(RuntimeError, match="libjemalloc is not installed"):  # asked by name: an error, not a fallback
+        allocator.preload("jemalloc")
