@@ -12,10 +12,10 @@ Variants (services/allocator.py): `glibc` (the moving mmap threshold), `fixed-4k
 256 KiB and up mapped on their own, in 4 KiB pages) and `fixed-huge` (the same in transparent
 huge pages), and `fixed-32m` (the threshold where glibc's moving one ends, 32 MiB, from the
 start: every buffer from the heap, the level reached in the warm-up rather than at some later
-long phrase; the tts's default). Where the system has jemalloc (Debian: `libjemalloc2`),
+long phrase; the tts's default where jemalloc is not installed). Where the system has jemalloc (Debian: `libjemalloc2`),
 `jemalloc`: the same service with jemalloc preloaded in place of glibc's malloc (`malloc_library`),
 its freed pages handed back after a second by a background thread, the allocator PyTorch's CPU
-performance tuning guide suggests for long-lived model processes.
+performance tuning guide suggests for long-lived model processes (the tts's default where installed).
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ CLIENTS = 3  # Synthesize calls in flight per variant (the service's model threa
 SAMPLE_S = 15.0
 WARMUP_SHARE = 1 / 3
 RATES = (0, 16000, 24000, 48000)
+GLIBC = {"SPECVOX_MALLOC_LIBRARY": "{}"}  # the glibc variants: not the tts's default, jemalloc where installed
 VARIANTS = {
-    "glibc": {"SPECVOX_MALLOC_MMAP_THRESHOLD": "{}"},
-    "fixed-4k": {"SPECVOX_MALLOC_MMAP_THRESHOLD": '{"tts": 262144}', "SPECVOX_MALLOC_HUGE_PAGES": "false"},
-    "fixed-huge": {"SPECVOX_MALLOC_MMAP_THRESHOLD": '{"tts": 262144}', "SPECVOX_MALLOC_HUGE_PAGES": "true"},
-    "fixed-32m": {"SPECVOX_MALLOC_MMAP_THRESHOLD": '{"tts": 33554432}', "SPECVOX_MALLOC_HUGE_PAGES": "false"},
+    "glibc": GLIBC | {"SPECVOX_MALLOC_MMAP_THRESHOLD": "{}"},
+    "fixed-4k": GLIBC | {"SPECVOX_MALLOC_MMAP_THRESHOLD": '{"tts": 262144}', "SPECVOX_MALLOC_HUGE_PAGES": "false"},
+    "fixed-huge": GLIBC | {"SPECVOX_MALLOC_MMAP_THRESHOLD": '{"tts": 262144}', "SPECVOX_MALLOC_HUGE_PAGES": "true"},
+    "fixed-32m": GLIBC | {"SPECVOX_MALLOC_MMAP_THRESHOLD": '{"tts": 33554432}', "SPECVOX_MALLOC_HUGE_PAGES": "false"},
 }
 if ctypes.util.find_library("jemalloc"):  # malloc_library: services/allocator.py
     VARIANTS["jemalloc"] = {"SPECVOX_MALLOC_LIBRARY": '{"tts": "jemalloc"}'}
