@@ -43,6 +43,9 @@ FMT = PcmFormat(16_000, 1, 2)
 STORY = "Tell me a long story about a brave little dragon."
 # A budget no turn misses here, so nothing is degraded and the reply is the plain greedy one.
 CONFIG = {"max_reply_tokens": 72, "budget_ms": 60_000}
+# The drained turn's reply is longer: SIGTERM reaches the worker's event loop a poll or more
+# after the log's second entry, and on a busy machine 70 tokens can be written in that time.
+DRAINED_CONFIG = CONFIG | {"max_reply_tokens": 256}
 # Drained by SIGTERM, a worker hands its turn back at once (a grace of 0): with any grace the rest
 # of a short reply may finish inside it on a fast step, and the hand-back would go untested.
 ENV = {"SPECVOX_WORK__DRAIN_GRACE_S": "0", "SPECVOX_SUPERVISOR__RESTART_BACKOFF_S": "0.5"}
@@ -82,14 +85,15 @@ async def kill_mid_turn(redis, stage: str, log: Path, under_way) -> dict:
     return {"consumer": consumer, "turn": turn, "pid": pid, "unix_ms": int(time.time() * 1000)}
 
 
-async def talk(addresses, speech, text: str) -> list:
+async def talk(addresses, speech, text: str, config: dict = CONFIG) -> list:
     options = ClientOptions(chunk_ms=40, wait_for_replies=True, trailing_silence_s=0.5,
-                            config=gw.SessionConfig(**CONFIG))
+                            config=gw.SessionConfig(**config))
     return await asyncio.wait_for(converse_script(addresses["gateway"], [Say(float_to_pcm16(speech(text)))], FMT,
                                                   options), 240)
 
 
-async def uninterrupted_reply(address: str, redis, user_text: str) -> list[int]:
+async def uninterrupted_reply(address: str, redis, user_text: str, max_new_tokens: int = CONFIG["max_reply_tokens"]
+                              ) -> list[int]:
     """The same turn decoded by the standalone Reply call of a live worker, in a new session."""
     from services.redis_store import SessionStore, TurnStore
 
@@ -97,7 +101,7 @@ async def uninterrupted_reply(address: str, redis, user_text: str) -> list[int]:
     turn = await TurnStore(redis).create(session)
     async with grpc.aio.insecure_channel(address) as channel:
         steps = [s async for s in llm_grpc.LlmStub(channel).Reply(llm.ReplyRequest(
-            session_id=session, turn_id=turn, user_text=user_text, max_new_tokens=CONFIG["max_reply_tokens"],
+            session_id=session, turn_id=turn, user_text=user_text, max_new_tokens=max_new_tokens,
             defer_history=True))]
     assert steps[-1].end and steps[-1].finish_reason in ("eos", "length")
     return [t for s in steps for t in s.token_ids]
@@ -193,7 +197,9 @@ async def test_a_worker_drained_by_sigterm_hands_its_turn_back_and_the_reply_com
     redis = connect(workers["redis"])
     try:
         async def two_steps_in(turn: str) -> bool:
-            return len(await read_token_log(redis, turn)) >= 2
+            entries = await read_token_log(redis, turn)
+            assert not (entries and entries[-1].end), "the reply ended before the drain: make it longer"
+            return len(entries) >= 2
 
         async def drain_holder() -> dict:
             consumer, turn = await holder(redis, "llm")
@@ -204,16 +210,18 @@ async def test_a_worker_drained_by_sigterm_hands_its_turn_back_and_the_reply_com
             return {"consumer": consumer, "turn": turn}
 
         drainer = asyncio.create_task(drain_holder())
-        turns = await talk(workers, speech, STORY)
+        turns = await talk(workers, speech, STORY, DRAINED_CONFIG)
         drained = await drainer
         turn = next(t for t in turns if t.turn_id == drained["turn"])
         assert turn.report["finish_reason"] in ("eos", "length"), turn.report
         entries = await read_token_log(redis, drained["turn"])
         assert [e.seq for e in entries] == list(range(len(entries)))
-        assert int(await redis.hget(turn_key(drained["turn"]), "llm_epoch")) >= 2  # handed back, taken over
+        epoch = int(await redis.hget(turn_key(drained["turn"]), "llm_epoch"))
+        assert epoch >= 2, f"no hand-back: the reply ({len(entries)} entries) ended before the drain took it"
         tokens = [t for e in entries for t in e.token_ids]
         address = live_worker(workers["log"], "llm", drained["consumer"])
-        assert tokens == await uninterrupted_reply(address, redis, turn.report["transcript"])
+        assert tokens == await uninterrupted_reply(address, redis, turn.report["transcript"],
+                                                   DRAINED_CONFIG["max_reply_tokens"])
         speech_entries = await read_speech_log(redis, drained["turn"])
         assert speech_entries and speech_entries[-1].kind == "end"
     finally:
