@@ -44,7 +44,8 @@ from scipy.stats import chi2
 from bench.spec import TREE, TREE_BRANCHES  # a model-free drafter's row with its branches as token trees
 from pipeline.llm import sampling
 from pipeline.llm.engine import GenerationRequest, Generator
-from pipeline.llm.sampling import SamplingOptions, apply_repetition_penalty, logits_to_probs
+from pipeline.llm.options import SamplingOptions
+from pipeline.llm.sampling import apply_repetition_penalty, logits_to_probs
 
 Outcome = tuple[int, ...]
 PREFIX_MASS: dict[Outcome, float] = {}  # the last `outcome_probabilities` call's open prefixes and their mass

@@ -36,7 +36,8 @@ import torch
 
 from bench.prompts import load_prompts
 from pipeline.llm.engine import GenerationRequest, Generator
-from pipeline.llm.model import LlmOptions, load_model
+from pipeline.llm.model import load_model
+from pipeline.llm.options import LlmOptions
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 from pipeline.models import resolve_llm
 

@@ -351,8 +351,8 @@ def generate(settings, args) -> int:
 
     from pipeline.llm.engine import GenerationRequest, Generator
     from pipeline.llm.model import load_model
+    from pipeline.llm.options import SamplingOptions
     from pipeline.llm.prompts import Task, chat_messages, encode_chat
-    from pipeline.llm.sampling import SamplingOptions
 
     options = dataclasses.replace(settings.llm, dtype=args.dtype or settings.llm.dtype,
                                   weights=args.weights or settings.llm.weights)

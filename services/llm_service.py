@@ -25,8 +25,8 @@ from pipeline.llm.budget import BudgetOptions, BudgetPolicy, Plan, PromptChoice,
 from pipeline.llm.end_of_turn import EndOfTurnScorer
 from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator
 from pipeline.llm.model import LoadedModel, load_model
+from pipeline.llm.options import SamplingOptions
 from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, fit_history
-from pipeline.llm.sampling import SamplingOptions
 from pipeline.models import resolve_llm
 from services import logs, metrics, tracing
 from services.grpc_server import (

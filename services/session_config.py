@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from google.protobuf import json_format
 
-from pipeline.llm.sampling import SamplingOptions
+from pipeline.llm.options import SamplingOptions
 from services.protos import load
 
 pb, _ = load("gateway")

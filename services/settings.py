@@ -13,7 +13,7 @@ from pathlib import Path
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from pipeline.asr import AsrOptions
-from pipeline.llm.model import LlmOptions
+from pipeline.llm.options import LlmOptions
 from pipeline.tts.backend import TtsOptions
 from pipeline.tts.phrases import PhraseOptions
 from pipeline.turn_taking import TurnTakingOptions

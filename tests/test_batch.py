@@ -27,9 +27,9 @@ import torch
 from bench.prompts import load_prompts
 from pipeline.llm.batch import BatchedDecoder, BatchScheduler
 from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator
-from pipeline.llm.model import LlmOptions, load_model
+from pipeline.llm.model import load_model
+from pipeline.llm.options import LlmOptions, SamplingOptions
 from pipeline.llm.prompts import DEFAULT_PERSONA, Task, chat_messages, encode_chat, fit_history
-from pipeline.llm.sampling import SamplingOptions
 from services.grpc_server import ModelWorker
 from services.protos import load
 from tests.conftest import llm_on_loopback

@@ -20,7 +20,8 @@ from pipeline.llm.cuda_graph_step import GraphBuffers, GraphedPass, Stopwatch, _
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.kv_cache import KVCache
 from pipeline.llm.lean_llama import LeanLlama
-from pipeline.llm.model import LlmOptions, load_model
+from pipeline.llm.model import load_model
+from pipeline.llm.options import LlmOptions
 from pipeline.llm.prefix_cache import PrefixCache
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 from pipeline.llm.token_tree import TokenTree

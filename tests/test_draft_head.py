@@ -32,9 +32,9 @@ from pipeline.llm.draft_head import (
 )
 from pipeline.llm.draft_length import VerifyCost
 from pipeline.llm.engine import GenerationRequest, Generator
-from pipeline.llm.model import LlmOptions, load_model
+from pipeline.llm.model import load_model
+from pipeline.llm.options import LlmOptions, SamplingOptions
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
-from pipeline.llm.sampling import SamplingOptions
 from pipeline.llm.train_draft import TrainOptions, autocast_dtype, train
 
 PROMPTS = load_prompts()

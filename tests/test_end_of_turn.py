@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from pipeline.llm.end_of_turn import EndOfTurnScorer, normalise
-from pipeline.llm.model import LlmOptions, load_model
+from pipeline.llm.model import load_model
+from pipeline.llm.options import LlmOptions
 from pipeline.llm.prompts import Exchange
 from tests.conftest import llm_on_loopback
 

@@ -31,7 +31,8 @@ from pipeline.llm.exact_codes import (
     unavailable_reason,
 )
 from pipeline.llm.kv_cache import KVCache, layer_tensors
-from pipeline.llm.model import LlmOptions, auto_weights, choose_weights, load_model, rollback
+from pipeline.llm.model import auto_weights, choose_weights, load_model, rollback
+from pipeline.llm.options import LlmOptions
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 from pipeline.models import resolve_llm
 

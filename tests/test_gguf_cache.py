@@ -12,7 +12,8 @@ import torch
 
 from pipeline.llm import gguf_cache
 from pipeline.llm.engine import GenerationRequest, Generator
-from pipeline.llm.model import LlmOptions, LoadedModel, load_model
+from pipeline.llm.model import LoadedModel, load_model
+from pipeline.llm.options import LlmOptions
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 
 MESSAGES = [{"role": "user", "content": "Could you tell me, in a sentence or two, why the sky looks blue?"}]

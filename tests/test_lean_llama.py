@@ -13,7 +13,8 @@ import torch.nn.functional as F  # noqa: N812
 
 from pipeline.llm.kv_cache import CHUNK_TOKENS, KVCache
 from pipeline.llm.lean_llama import LeanLlama, supports
-from pipeline.llm.model import LlmOptions, load_model, rollback
+from pipeline.llm.model import load_model, rollback
+from pipeline.llm.options import LlmOptions
 from pipeline.llm.weight_kernels import PackedLinear
 
 

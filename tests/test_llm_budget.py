@@ -133,7 +133,7 @@ def test_the_meter_starts_from_conservative_priors_and_follows_measurements():
 
 async def test_a_one_ms_budget_through_the_service_completes_with_every_degradation(redis_url, tiny_llm_dir):
     from pipeline.llm.engine import GenerationRequest, Generator
-    from pipeline.llm.model import LlmOptions
+    from pipeline.llm.options import LlmOptions
     from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, fit_history
     from services.protos import load, load_common
     from services.redis_store import now_ms

@@ -7,7 +7,8 @@ import torch
 
 from pipeline.asr import AsrOptions, Transcriber
 from pipeline.llm.engine import GenerationRequest, Generator
-from pipeline.llm.model import LlmOptions, load_model
+from pipeline.llm.model import load_model
+from pipeline.llm.options import LlmOptions
 from pipeline.models import ModelNotFoundError, resolve_asr, resolve_piper_voice
 from pipeline.tts.piper_backend import PiperSynthesizer, TtsOptions
 

@@ -21,7 +21,8 @@ import torch
 from pipeline.llm.batch import BatchedDecoder, BatchScheduler, _Pending
 from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator
 from pipeline.llm.kv_cache import KVCache
-from pipeline.llm.model import LlmOptions, load_model
+from pipeline.llm.model import load_model
+from pipeline.llm.options import LlmOptions
 from pipeline.llm.prefix_cache import PrefixCache, cache_nbytes, common_prefix, variant_key
 from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, chat_messages, encode_chat
 from services.grpc_server import ModelWorker

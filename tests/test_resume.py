@@ -24,9 +24,10 @@ from pipeline.llm.batch import BatchedDecoder
 from pipeline.llm.detokenize import IncrementalDetokenizer
 from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator, RequestDecoder
 from pipeline.llm.exact_codes import unavailable_reason
-from pipeline.llm.model import LlmOptions, load_model
+from pipeline.llm.model import load_model
+from pipeline.llm.options import LlmOptions, SamplingOptions
 from pipeline.llm.prompts import Exchange, Task, chat_messages, encode_chat
-from pipeline.llm.sampling import PositionalRandom, SamplingOptions, logits_to_probs, position_seed, speculative_verify
+from pipeline.llm.sampling import PositionalRandom, logits_to_probs, position_seed, speculative_verify
 
 PROMPTS = load_prompts()
 TEXTS = (PROMPTS["dialogue"][0], PROMPTS["caption"][0])

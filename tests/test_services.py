@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import wave
 from itertools import pairwise
+from pathlib import Path
 
 import grpc
 import jiwer
 import numpy as np
+import psutil
 import pytest
 import webvtt
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -99,6 +101,22 @@ async def test_a_spoken_turn_round_trips(stack, speech, tmp_path):
     llm_times, tts_times = report["stages"]["llm"], report["stages"]["tts"]
     assert llm_times["first_in_unix_ms"] <= llm_times["first_out_unix_ms"] <= llm_times["last_out_unix_ms"]
     assert tts_times["first_in_unix_ms"] >= llm_times["first_out_unix_ms"]  # tts reads what llm wrote
+
+
+def listening_process(address: str):
+    port = int(address.rsplit(":", 1)[1])
+    pid = next(c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port)
+    return psutil.Process(pid)
+
+
+def test_the_gateway_runs_without_torch(stack):
+    """It runs no model, so it must not map torch (~125 MB and ~1 s of start-up) through the llm's
+    option types, as it did while they lived beside the model code."""
+    gateway = listening_process(stack["gateway"])
+    mapped = {Path(m.path).name for m in gateway.memory_maps()}
+    assert "libtorch_cpu.so" not in mapped and "libtorch_python.so" not in mapped, sorted(mapped)
+    llm = {Path(m.path).name for m in listening_process(stack["llm"]).memory_maps()}
+    assert "libtorch_cpu.so" in llm  # the check sees torch where it is
 
 
 @pytest.mark.parametrize("service", SERVICE_NAMES)

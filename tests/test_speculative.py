@@ -22,9 +22,10 @@ from bench.prompts import load_prompts
 from pipeline.llm.draft_length import DraftCost, DraftGuard, DraftLengthController, MatchAcceptance, VerifyCost
 from pipeline.llm.drafters import Draft, SuffixAutomaton, SuffixDrafter
 from pipeline.llm.engine import GenerationRequest, Generator
-from pipeline.llm.model import LlmOptions, load_model, new_kv_cache, rollback
+from pipeline.llm.model import load_model, new_kv_cache, rollback
+from pipeline.llm.options import LlmOptions, SamplingOptions
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
-from pipeline.llm.sampling import SamplingOptions, logits_to_probs, sample, speculative_verify
+from pipeline.llm.sampling import logits_to_probs, sample, speculative_verify
 
 PROMPTS = load_prompts()
 DEVICE = os.environ.get("SPECVOX_LLM__DEVICE", "cpu")  # bench/gpu_check.sh runs these on cuda

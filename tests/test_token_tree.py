@@ -13,9 +13,9 @@ from pipeline.llm.draft_length import BranchWorth, VerifyCost
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.exact_codes import unavailable_reason
 from pipeline.llm.kv_cache import KVCache
-from pipeline.llm.model import LlmOptions, load_model, rollback
+from pipeline.llm.model import load_model, rollback
+from pipeline.llm.options import LlmOptions, SamplingOptions
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
-from pipeline.llm.sampling import SamplingOptions
 from pipeline.llm.token_tree import TokenTree
 
 needs_kernel = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))

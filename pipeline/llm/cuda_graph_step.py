@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from pipeline.llm.kv_cache import KVCache
+from pipeline.llm.options import GRAPH_CACHE_TOKENS
 
-GRAPH_CACHE_TOKENS = 4096  # capacity of the cache buffers graphs are recorded over (`llm.cuda_graph_tokens`)
 GRAPH_BUFFERS = 4  # such buffers: replies decoding at once with graphs (another one runs eagerly)
 MAX_GRAPHS = 64  # graphs kept: pass lengths × buffers
 # the longest pass recorded: a verification of a 16-token draft or tree (engine.TREE_MAX_NODES) and the

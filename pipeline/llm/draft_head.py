@@ -40,7 +40,8 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from pipeline.llm.drafters import EMPTY, Draft
-from pipeline.llm.sampling import RandomSource, SamplingOptions, generator_at, logits_to_probs, sample
+from pipeline.llm.options import SamplingOptions
+from pipeline.llm.sampling import RandomSource, generator_at, logits_to_probs, sample
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,6 @@ from pipeline.llm.drafters import (
 from pipeline.llm.kv_cache import KVCache
 from pipeline.llm.lean_llama import LeanLlama
 from pipeline.llm.model import (
-    LlmOptions,
     LoadedModel,
     early_exit_model,
     load_draft_model,
@@ -60,12 +59,12 @@ from pipeline.llm.model import (
     quantized_self_draft,
     rollback,
 )
+from pipeline.llm.options import LlmOptions, SamplingOptions
 from pipeline.llm.prefix_cache import PrefixCache
 from pipeline.llm.prompts import PromptTooLongError
 from pipeline.llm.sampling import (
     DRAFT_STREAM,
     PositionalRandom,
-    SamplingOptions,
     apply_repetition_penalty,
     generator_at,
     greedy_verify,

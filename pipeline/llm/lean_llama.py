@@ -39,15 +39,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from pipeline.llm.cuda_graph_step import (
-    GRAPH_CACHE_TOKENS,
-    MAX_GRAPHED_TOKENS,
-    GraphBuffers,
-    GraphedPass,
-    graphs_apply,
-)
+from pipeline.llm.cuda_graph_step import MAX_GRAPHED_TOKENS, GraphBuffers, GraphedPass, graphs_apply
 from pipeline.llm.exact_codes import ExactCodesLinear
 from pipeline.llm.kv_cache import KVCache
+from pipeline.llm.options import GRAPH_CACHE_TOKENS
 from pipeline.llm.weight_kernels import (
     ROW_INVARIANT_ROWS,
     Int4Linear,

@@ -33,30 +33,13 @@ the drafter's q and x, as it must for the acceptance rate to stay optimal.)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
+from pipeline.llm.options import SamplingOptions
+
 MASK64 = (1 << 64) - 1
 TARGET_STREAM, DRAFT_STREAM = 0, 1  # a position's draws by the verifier, and by a model drafter
-
-
-@dataclass(frozen=True)
-class SamplingOptions:
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0  # 1: off
-    repetition_penalty: float = 1.0  # 1: off (CTRL, Keskar et al. 2019)
-    seed: int | None = None
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    def validate(self) -> SamplingOptions:
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.repetition_penalty <= 0:
-            raise ValueError(f"invalid sampling options: {self}")
-        return self
 
 
 def apply_repetition_penalty(

@@ -530,7 +530,8 @@ def heldout_acceptance(head: torch.nn.Module, sequences: list[Reply], embed: tor
 def train(options: TrainOptions, excluded: Sequence[str] = (), loaded: Any = None) -> dict:
     """Data, vocabulary, training, held-out acceptance, artifact; returns the card. `loaded`: the
     target already loaded (a `LoadedModel` of `options.target`; its transformers model generates)."""
-    from pipeline.llm.model import LlmOptions, load_model
+    from pipeline.llm.model import load_model
+    from pipeline.llm.options import LlmOptions
 
     if options.kind not in KINDS:
         raise ValueError(f"unknown kind {options.kind!r}: choose one of {', '.join(KINDS)}")
@@ -628,7 +629,8 @@ def evaluate(options: TrainOptions, prompts: dict[str, list[str]], limit: int, m
     acceptance by draft position and tokens per target pass (the engine's own counts). `adaptive`:
     the draft length and the guard adapt as they do in service; False: drafts of `draft_tokens` always."""
     from pipeline.llm.engine import GenerationRequest, GenerationStats, Generator
-    from pipeline.llm.model import LlmOptions, load_model
+    from pipeline.llm.model import load_model
+    from pipeline.llm.options import LlmOptions
     from pipeline.llm.prompts import Task, chat_messages
 
     llm = LlmOptions(model=options.target, device=options.device, dtype="float32",
