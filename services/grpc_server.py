@@ -347,7 +347,7 @@ async def run_service(settings: Any, build: Callable[[Any], Awaitable[Service]])
 
 
 async def _serve(settings: Any, service: Service) -> None:
-    from services import hooks
+    from services import hooks, memory_trace
 
     name, worker_name = service.name, settings.worker_name_of(service.name)
     # so_reuseport off: a second process on a taken port fails to bind instead of sharing its calls.
@@ -385,6 +385,7 @@ async def _serve(settings: Any, service: Service) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
+    memory_trace.install(name, worker_name, loop)
     workers = {asyncio.create_task(w(draining), name=f"{worker_name} worker {_label(w)}"): w for w in service.workers}
     failure: str | None = None
     try:

@@ -14,12 +14,14 @@ import socket
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.memory_trace import frames_for
 from services.protos import load
 from services.supervisor import SupervisorOptions, describe_exit, parse_workers, restart_delay_s
 from tests.conftest import ROOT, free_port, specvox_up
@@ -156,10 +158,10 @@ def test_a_crash_looping_worker_makes_up_give_up_and_stop_the_stack(redis_url, t
 # run_service draining a real tts service
 
 
-def start_probe(redis_url: str, log: Path, mode: str) -> tuple[subprocess.Popen, str]:
+def start_probe(redis_url: str, log: Path, mode: str, **more_env: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = dict(os.environ, SPECVOX_REDIS_URL=redis_url, SPECVOX_TTS_PORT=str(port), SPECVOX_DRAIN_GRACE_S="30",
-               SPECVOX_PROBE=mode, SPECVOX_WORKER_NAME="tts-probe")
+               SPECVOX_PROBE=mode, SPECVOX_WORKER_NAME="tts-probe", **more_env)
     with open(log, "wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "tests.service_probe"], cwd=ROOT, env=env, stdout=out,
                                    stderr=subprocess.STDOUT)
@@ -232,6 +234,37 @@ def test_a_failing_background_worker_takes_the_service_down_with_the_reason(redi
     assert "tts-probe: background worker probe failed: RuntimeError: the probe worker failed on purpose; " \
            "stopping the service (its supervisor restarts it)" in text, text[-3000:]
     assert "Traceback" in text  # the worker's own traceback, logged where it failed
+
+
+def test_tracemalloc_spec_names_services_and_their_frames():
+    assert frames_for("gateway", "gateway") == 10 and frames_for("gateway", "tts, gateway:25") == 25
+    assert frames_for("llm", "gateway:25,tts") == 0 and frames_for("tts", "") == 0
+    with pytest.raises(ValueError, match="'tts:many' is not service\\[:frames\\]"):
+        frames_for("tts", "gateway,tts:many")
+
+
+def test_sigusr2_writes_a_tracemalloc_snapshot_of_a_traced_service_and_it_keeps_serving(redis_url, tmp_path):
+    log = tmp_path / "tts.log"
+    snapshots = tmp_path / "snapshots"
+    process, address = start_probe(redis_url, log, "drain",
+                                   SPECVOX_TRACEMALLOC="gateway,tts:6", SPECVOX_TRACEMALLOC_DIR=str(snapshots))
+    try:
+        wait_for(log, r"specvox tts \(tts-probe\) listening", process)
+        assert "tts-probe: tracing Python allocations (6 frames)" in log.read_text()
+        process.send_signal(signal.SIGUSR2)
+        found = wait_for(log, r"tracemalloc snapshot (\S+) \(([\d.]+) MB traced", process)
+        path = Path(found.group(1))
+        assert path.parent == snapshots and path.name.startswith(f"tts-probe-{process.pid}-")
+        snapshot = tracemalloc.Snapshot.load(str(path))
+        assert snapshot.traceback_limit == 6 and snapshot.traces
+        # what the service allocated after the start of tracing: its own code among the tracebacks
+        files = {frame.filename for trace in snapshot.traces for frame in trace.traceback}
+        assert any(f.endswith("services/tts_service.py") or f.endswith("services/grpc_server.py") for f in files)
+        assert serving(address) and process.poll() is None  # a snapshot stops nothing
+    finally:
+        process.send_signal(signal.SIGTERM)
+        if process.wait(60) != 0:
+            pytest.fail(log.read_text()[-3000:])
 
 
 def test_a_service_process_takes_its_nice_value_on_every_thread():
