@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -91,6 +92,11 @@ log = logging.getLogger(__name__)
 END = object()
 PREPARE_TIMEOUT_S = 5.0  # llm's prefill of a session's conversation at its start (a stream's close waits for it)
 TICK_S = 0.02  # timers of the turn-taking machine (held turns, playout, pauses) are this fine
+# A stream's per-turn records are kept for its latest turns only, so an hour-long stream holds no more
+# than a short one: transcripts of its latest utterances (a turn reads its own at start and final), and
+# the ids of its latest interrupted turns (whose queued speech, a few events behind, is dropped).
+KEPT_UTTERANCES = 8
+KEPT_UNHEARD_TURNS = 16
 KIND = asr_pb.TranscriptEvent
 Config = pb.SessionConfig
 SPOKEN = frozenset({"reply_text", "audio", "cue", "word"})
@@ -114,11 +120,16 @@ def _failure(error: BaseException) -> str:
 
 
 class AudioArrivalClock:
-    """Maps a time in the input audio to when the gateway received it (Unix ms)."""
+    """Maps a time in the input audio to when the gateway received it (Unix ms).
 
-    def __init__(self, fmt) -> None:
+    Asked only for the end of an utterance just transcribed, so it keeps the last `kept_s` of audio:
+    a stream open for an hour would otherwise hold two list entries per chunk (~6 MB an hour at
+    40 ms chunks)."""
+
+    def __init__(self, fmt, kept_s: float = 120.0) -> None:
         declared = PcmFormat(fmt.sample_rate_hz, fmt.channels or 1, fmt.sample_width_bytes or 2)
         self.reader = AudioStreamReader(fmt.encoding, declared)
+        self.kept_s = kept_s
         self._audio_bytes = 0
         self._ends_s: list[float] = []
         self._arrivals_ms: list[int] = []
@@ -126,8 +137,12 @@ class AudioArrivalClock:
     def received(self, chunk: bytes) -> None:
         self._audio_bytes += len(self.reader.feed(chunk))
         if self.reader.format is not None:
-            self._ends_s.append(self._audio_bytes / self.reader.format.bytes_per_s)
+            end_s = self._audio_bytes / self.reader.format.bytes_per_s
+            self._ends_s.append(end_s)
             self._arrivals_ms.append(now_ms())
+            if self._ends_s[0] < end_s - 2 * self.kept_s:  # dropped in halves: amortised O(1) a chunk
+                cut = bisect.bisect_left(self._ends_s, end_s - self.kept_s)
+                del self._ends_s[:cut], self._arrivals_ms[:cut]
 
     def arrival_ms(self, audio_s: float) -> int:
         i = bisect.bisect_left(self._ends_s, audio_s - 1e-6)
@@ -195,9 +210,10 @@ class Conversation:
             backchannel_max_words=config.backchannel_max_words or options.backchannel_max_words,
         ), caption_mode=config.mode == Config.CAPTION)
         self.work: dict[str, TurnWork] = {}
-        self.finals: dict[int, asr_pb.TranscriptEvent] = {}  # the latest transcript of each utterance
+        self.finals: dict[int, asr_pb.TranscriptEvent] = {}  # the latest transcript of each recent utterance
         self.budget_misses = 0
-        self.unheard: set[str] = set()  # turns interrupted or cancelled: their queued speech is dropped
+        # turns interrupted or cancelled: their queued speech is dropped
+        self.unheard: collections.deque[str] = collections.deque(maxlen=KEPT_UNHEARD_TURNS)
         self.degradations = 0
         self._lock = asyncio.Lock()  # one event through the machine at a time, its actions in order
         self._input_error: Exception | None = None
@@ -292,7 +308,7 @@ class Conversation:
             await self.handle(SpeechStarted(event.utterance_index))
         elif kind == KIND.PARTIAL:
             await self.events.put(pb.ServerEvent(transcript=_transcript(event, final=False)))
-            self.finals[event.utterance_index] = event
+            self._keep_transcript(event)
             if self.config.mode != Config.CAPTION and not event.speech_ending and event.text.strip():
                 self._prepare_words(event.text)
             # The pass at the first silence is the one the final reuses (asr_stream), so its words,
@@ -300,9 +316,14 @@ class Conversation:
             stable = self.settings.preemptive_generation and event.speech_ending and bool(event.text.strip())
             await self.handle(Partial(event.utterance_index, event.text, stable))
         elif kind == KIND.FINAL:
-            self.finals[event.utterance_index] = event
+            self._keep_transcript(event)
             words = tuple((w.text, w.probability) for w in event.words)
             await self.handle(Final(event.utterance_index, event.text, words))
+
+    def _keep_transcript(self, event: asr_pb.TranscriptEvent) -> None:
+        self.finals[event.utterance_index] = event
+        for old in [u for u in self.finals if u <= event.utterance_index - KEPT_UTTERANCES]:
+            del self.finals[old]
 
     async def handle(self, event: Event) -> None:
         async with self._lock:
@@ -590,7 +611,7 @@ class Conversation:
         self.degradations += len(degradations)
         counts = over.counts
         if over.finish_reason in ("interrupted", "cancelled"):
-            self.unheard.add(over.turn_id)
+            self.unheard.append(over.turn_id)
         report = pb.TurnReport(
             transcript=work.user_text, reply_text=work.reply_text.strip(), speech_end_s=work.transcript.speech_end_s,
             speech_end_unix_ms=work.speech_end_unix_ms, first_audio_sent_unix_ms=work.first_audio_sent_unix_ms,
