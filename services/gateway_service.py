@@ -188,9 +188,11 @@ class TurnWork:
         """Stop the turn here, and its llm and tts work wherever it runs (within a step or a piece)."""
         for task in self.tasks:
             task.cancel()
-        if self.stop_workers is not None and not (self.llm_done and self.speech_done):
-            self.stop_workers()
-            self.stop_workers = None
+        # Dropped whether called or not: it closes over the turn (and the conversation), a cycle that
+        # would wait for the cyclic collector instead of freeing the turn as soon as it is over.
+        stop_workers, self.stop_workers = self.stop_workers, None
+        if stop_workers is not None and not (self.llm_done and self.speech_done):
+            stop_workers()
 
 
 class Conversation:
