@@ -30,6 +30,7 @@ import numpy as np
 
 from pipeline.audio import resample
 from pipeline.models import resolve_piper_voice
+from pipeline.tts import espeak_clauses
 from pipeline.tts.backend import Synthesis, TtsOptions, WordTiming
 
 __all__ = ["PiperSynthesizer", "TtsOptions", "phoneme_word_spans"]
@@ -46,9 +47,9 @@ LEVEL_PEAK = 0.9  # the reference sentence's peak after the gain (Piper's own: 1
 DECODER_CONTEXT = 12  # the decoder's reach in latent frames: with this many either side, pieces join exactly
 FLOW_CONTEXT = 32  # the flow's reach: 4 coupling layers, each 4 convolutions of width 5
 DECODER_INPUT_NODE = "/dec/conv_pre/Conv"  # the decoder's first node in Piper's exported VITS graph
-# Words whose espeak word count is remembered (`_espeak_words_in`): every phonemization keeps
-# some memory inside piper's espeak bridge (~0.3 KB: strings its get_phonemes never frees), and
-# a reply's words mostly repeat. Re-phonemizing each word was the tts's slow rise in soaks.
+# Words whose espeak word count is remembered (`_espeak_words_in`): a reply's words mostly repeat,
+# and each phonemization costs time (and, through piper's own bridge, leaked memory: see
+# pipeline/tts/espeak_clauses.py, which the voice's phonemizer now uses instead).
 REMEMBERED_WORDS = 4096
 
 
@@ -65,6 +66,7 @@ class PiperSynthesizer:
         self.model = _VoiceModel.load(str(files.model_path), options)
         # Piper's voice for its phonemizer and phoneme ids; the model runs here, in parts (not its synthesize)
         self.phonemizer = PiperVoice(config=config, session=self.model.encoder)
+        espeak_clauses.use_for_piper()  # its clause phonemes without the bridge's leak
         self._espeak_words_in = functools.lru_cache(maxsize=REMEMBERED_WORDS)(self._count_espeak_words)
         self.sample_rate_hz = int(config.sample_rate)
         self.inputs: dict[str, np.ndarray] = {"scales": np.array([
