@@ -92,9 +92,11 @@ log = logging.getLogger(__name__)
 END = object()
 PREPARE_TIMEOUT_S = 5.0  # llm's prefill of a session's conversation at its start (a stream's close waits for it)
 TICK_S = 0.02  # timers of the turn-taking machine (held turns, playout, pauses) are this fine
-# A stream's per-turn records are kept for its latest turns only, so an hour-long stream holds no more
-# than a short one: transcripts of its latest utterances (a turn reads its own at start and final), and
-# the ids of its latest interrupted turns (whose queued speech, a few events behind, is dropped).
+# A stream's records are kept for its latest stretch only, so an hour-long stream holds no more than a
+# short one: the arrival times of its latest audio (asked for the end of an utterance just transcribed),
+# transcripts of its latest utterances (a turn reads its own at start and final), and the ids of its
+# latest interrupted turns (whose queued speech, a few events behind, is dropped).
+KEPT_AUDIO_S = 120.0
 KEPT_UTTERANCES = 8
 KEPT_UNHEARD_TURNS = 16
 KIND = asr_pb.TranscriptEvent
@@ -122,14 +124,12 @@ def _failure(error: BaseException) -> str:
 class AudioArrivalClock:
     """Maps a time in the input audio to when the gateway received it (Unix ms).
 
-    Asked only for the end of an utterance just transcribed, so it keeps the last `kept_s` of audio:
-    a stream open for an hour would otherwise hold two list entries per chunk (~6 MB an hour at
-    40 ms chunks)."""
+    It keeps the last KEPT_AUDIO_S of audio: a stream open for an hour would otherwise hold two list
+    entries per chunk (~6 MB an hour at 40 ms chunks)."""
 
-    def __init__(self, fmt, kept_s: float = 120.0) -> None:
+    def __init__(self, fmt) -> None:
         declared = PcmFormat(fmt.sample_rate_hz, fmt.channels or 1, fmt.sample_width_bytes or 2)
         self.reader = AudioStreamReader(fmt.encoding, declared)
-        self.kept_s = kept_s
         self._audio_bytes = 0
         self._ends_s: list[float] = []
         self._arrivals_ms: list[int] = []
@@ -140,8 +140,8 @@ class AudioArrivalClock:
             end_s = self._audio_bytes / self.reader.format.bytes_per_s
             self._ends_s.append(end_s)
             self._arrivals_ms.append(now_ms())
-            if self._ends_s[0] < end_s - 2 * self.kept_s:  # dropped in halves: amortised O(1) a chunk
-                cut = bisect.bisect_left(self._ends_s, end_s - self.kept_s)
+            if self._ends_s[0] < end_s - 2 * KEPT_AUDIO_S:  # dropped in halves: amortised O(1) a chunk
+                cut = bisect.bisect_left(self._ends_s, end_s - KEPT_AUDIO_S)
                 del self._ends_s[:cut], self._arrivals_ms[:cut]
 
     def arrival_ms(self, audio_s: float) -> int:
