@@ -37,10 +37,40 @@ def pytest_configure(config) -> None:
         torch.set_num_threads(IN_PROCESS_THREADS)
 
 
-def free_port() -> int:
+# The ports tests listen on come from a block of each xdist worker's own, below the kernel's
+# ephemeral range (32768-60999 by default). A port the kernel hands out (a server bound to port 0,
+# an outgoing connection, another worker's free port) can never be one of them, and the ports
+# `specvox up` derives (worker i of a stage at its port + i * 100) lie inside what was reserved.
+# A port found taken (another run alongside) is skipped.
+PORTS_FIRST, PORTS_END = 20_000, 32_768
+_WORKER_INDEX = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+_PORTS_PER_WORKER = (PORTS_END - PORTS_FIRST) // PARALLEL_WORKERS
+_next_port = PORTS_FIRST + _WORKER_INDEX * _PORTS_PER_WORKER
+STACK_PORT_SPAN = 400  # `specvox up`: 4 stages x up to 4 workers at the supervisor's stride of 100
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(span: int) -> int:
+    """The first of `span` consecutive ports, all free, none handed out before in this run."""
+    global _next_port
+    end = PORTS_FIRST + (_WORKER_INDEX + 1) * _PORTS_PER_WORKER
+    while _next_port + span <= end:
+        first, _next_port = _next_port, _next_port + span
+        if all(_bindable(port) for port in range(first, first + span)):
+            return first
+    raise RuntimeError(f"this test worker's ports ({end - _PORTS_PER_WORKER}-{end - 1}) are used up")
+
+
+def free_port() -> int:
+    return free_ports(1)
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +105,8 @@ def speech(synthesizer):
 def specvox_up(redis_url: str, log_dir: Path, env: dict[str, str] | None = None,
                args: tuple[str, ...] = ()) -> Iterator[dict[str, str]]:
     """`specvox up` as a user runs it, on free ports, sharing the test's Valkey; Ctrl-C at the end."""
-    ports = {name: free_port() for name in ("gateway", "asr", "llm", "tts")}
+    first = free_ports(STACK_PORT_SPAN)
+    ports = {name: first + i for i, name in enumerate(("gateway", "asr", "llm", "tts"))}
     environ = dict(os.environ, SPECVOX_REDIS_URL=redis_url, SPECVOX_LOG_LEVEL="WARNING", **(env or {}))
     environ.update({f"SPECVOX_{name.upper()}_PORT": str(port) for name, port in ports.items()})
     log = log_dir / "up.log"

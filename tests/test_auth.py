@@ -177,9 +177,9 @@ async def test_every_method_of_every_service_refuses_missing_and_wrong_credentia
 
     keys = tmp_path / "keys"
     key = add_key(keys, "acme")
-    from tests.conftest import free_port
+    from tests.conftest import STACK_PORT_SPAN, free_ports
 
-    metrics_port = free_port()  # up gives the gateway this port, asr, llm and tts the next three
+    metrics_port = free_ports(STACK_PORT_SPAN)  # up gives the gateway this port, asr, llm and tts the next three
     env = {"SPECVOX_AUTH__KEYS_FILE": str(keys), "SPECVOX_REDIS__DATA_DIR": str(tmp_path / "data" / "valkey"),
            "SPECVOX_METRICS_PORT": str(metrics_port)}
     with specvox_up(redis_url, tmp_path, env) as stack:
