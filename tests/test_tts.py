@@ -379,3 +379,57 @@ def test_clause_phonemes_are_the_bridge_s_own_without_its_leak(synthesizer, voic
         assert kept["ours"] < 10_000 and kept["bridge"] > 200_000, kept
     finally:
         espeakbridge.set_voice("en-us")
+
+
+def _malloc_in_use() -> int:
+    """Bytes glibc's malloc has handed out and not had back (native memory tracemalloc cannot see)."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+    mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    mallinfo2.restype = MallInfo2
+    return int(mallinfo2().uordblks)
+
+
+def test_piper_sets_espeak_s_voice_once_with_the_same_phonemes(synthesizer):
+    """Piper's phonemizer sets espeak-ng's voice before every text, and the bridge's set_voice
+    leaks a copy of the voice each time (pipeline/tts/espeak_clauses.py): the voice is now set only
+    where it changes. The phonemes are those of a voice set before every text, in any order of
+    voices, and a thousand texts in one voice keep no native memory where the bridge's call, the
+    control, keeps over a kilobyte each."""
+    import os
+
+    from piper import espeakbridge
+    from piper import voice as piper_voice
+
+    from pipeline.tts import espeak_clauses
+
+    if "jemalloc" in os.environ.get("LD_PRELOAD", ""):
+        pytest.skip("glibc's malloc counts the native memory here")
+    assert espeakbridge.set_voice is espeak_clauses.set_voice_once  # the voice installed it
+    synthesizer.phonemizer.phonemize("Warm up.")
+    phonemizer = piper_voice._ESPEAK_PHONEMIZER
+    voices = ["en-us", "en-us", "fr", "fr", "de", "en-us", "de", "de", "en-us"]
+    texts = [PHONEMIZED[(i * 5) % len(PHONEMIZED)] for i in range(len(voices))]
+    try:
+        with_each_set = []
+        for voice, text in zip(voices, texts, strict=True):
+            espeak_clauses.bridge_set_voice(voice)
+            with_each_set.append(phonemizer.phonemize(voice, text))
+        espeak_clauses.set_voice_once("en-us")
+        assert [phonemizer.phonemize(voice, text) for voice, text in zip(voices, texts, strict=True)] == with_each_set
+
+        kept = {}
+        for name, set_voice in (("once", espeak_clauses.set_voice_once), ("bridge", espeak_clauses.bridge_set_voice)):
+            set_voice("en-us")
+            before = _malloc_in_use()
+            for _ in range(1000):
+                set_voice("en-us")
+                espeak_clauses.clause_phonemes(PHONEMIZED[4])
+            kept[name] = _malloc_in_use() - before
+        assert kept["once"] < 20_000 and kept["bridge"] > 1_000_000, kept
+    finally:
+        espeak_clauses.set_voice_once("en-us")

@@ -1,14 +1,19 @@
 """espeak-ng's clause phonemes without piper's bridge leaking them.
 
-piper-tts 1.8.0's `espeakbridge.get_phonemes` (the newest release) never frees what it returns:
-0.7 KB of Python objects a call for a three-clause phrase, a call for every phrase the tts speaks
-(and for each word it times), so the tts's memory rose with every turn (docs/reliability.md,
-"Soak"). The bridge's module also exports espeak-ng's own `espeak_TextToPhonemesWithTerminator`:
-`clause_phonemes` calls it through ctypes on the same, already initialised library and builds the
-bridge's result, (phonemes, terminator, end of sentence) per clause, with nothing kept.
-`use_for_piper` puts it in the bridge's place, so piper's phonemizer, unchanged otherwise, uses it.
+piper-tts 1.8.0's bridge to espeak-ng (the newest release) leaks twice on every phonemization, a
+call for every phrase the tts speaks (and for each word it times), so the tts's memory rose with
+every turn (docs/reliability.md, "Soak"):
+- `espeakbridge.get_phonemes` never frees the Python objects it returns: 0.7 KB a three-clause
+  phrase. The bridge's module also exports espeak-ng's own `espeak_TextToPhonemesWithTerminator`:
+  `clause_phonemes` calls it through ctypes on the same, already initialised library and builds
+  the bridge's result, (phonemes, terminator, end of sentence) per clause, with nothing kept.
+- `espeakbridge.set_voice`, which piper's phonemizer calls before every text, makes espeak-ng copy
+  the voice (1,360 bytes) into its synthesis command queue (`DoVoiceChange`), freed only when audio
+  is synthesized from the queue; piper only phonemizes, so every copy was lost. `set_voice_once`
+  sets a voice only where espeak-ng holds another (the workaround echogarden's authors found for
+  the same leak, echogarden-project/echogarden#64).
+`use_for_piper` puts both in the bridge's place, so piper's phonemizer, unchanged otherwise, uses them.
 """
-
 from __future__ import annotations
 
 import ctypes
@@ -58,15 +63,42 @@ def clause_phonemes(text: str) -> list[tuple[str, str, bool]]:
     return clauses
 
 
-bridge_get_phonemes: Callable[[str], list[tuple[str, str, bool]]] | None = None  # the one replaced
+_voice_set: str | None = None  # the voice espeak-ng holds, set through set_voice_once
+
+
+def set_voice_once(voice: str) -> None:
+    """`espeakbridge.set_voice(voice)` where espeak-ng holds another voice, and nothing where it
+    holds this one: each setting leaks a copy of the voice (see the module's docstring)."""
+    global _voice_set
+    if voice != _voice_set:
+        _voice_set = None  # unknown until the bridge has set it (it raises for an unknown voice)
+        assert bridge_set_voice is not None, "use_for_piper() first"
+        bridge_set_voice(voice)
+        _voice_set = voice
+
+
+def _initialize(data_dir: str) -> None:
+    """`espeakbridge.initialize`, after which espeak-ng holds no voice set here."""
+    global _voice_set
+    _voice_set = None
+    assert bridge_initialize is not None
+    bridge_initialize(data_dir)
+
+
+# The bridge's functions replaced (tests/test_tts.py compares with them and measures their leaks).
+bridge_get_phonemes: Callable[[str], list[tuple[str, str, bool]]] | None = None
+bridge_set_voice: Callable[[str], None] | None = None
+bridge_initialize: Callable[[str], None] | None = None
 
 
 def use_for_piper() -> None:
-    """Piper's phonemizer calls `clause_phonemes` where it called the bridge's leaking function
-    (kept as `bridge_get_phonemes`, which tests/test_tts.py compares with)."""
-    global bridge_get_phonemes
+    """Piper's phonemizer calls `clause_phonemes` and `set_voice_once` where it called the bridge's
+    leaking functions."""
+    global bridge_get_phonemes, bridge_set_voice, bridge_initialize
     from piper import espeakbridge
 
     if espeakbridge.get_phonemes is not clause_phonemes:
-        bridge_get_phonemes = espeakbridge.get_phonemes
-        espeakbridge.get_phonemes = clause_phonemes
+        bridge_get_phonemes, bridge_set_voice, bridge_initialize = (
+            espeakbridge.get_phonemes, espeakbridge.set_voice, espeakbridge.initialize)
+        espeakbridge.get_phonemes, espeakbridge.set_voice, espeakbridge.initialize = (
+            clause_phonemes, set_voice_once, _initialize)

@@ -66,7 +66,7 @@ class PiperSynthesizer:
         self.model = _VoiceModel.load(str(files.model_path), options)
         # Piper's voice for its phonemizer and phoneme ids; the model runs here, in parts (not its synthesize)
         self.phonemizer = PiperVoice(config=config, session=self.model.encoder)
-        espeak_clauses.use_for_piper()  # its clause phonemes without the bridge's leak
+        espeak_clauses.use_for_piper()  # its clause phonemes and voice setting without the bridge's leaks
         self._espeak_words_in = functools.lru_cache(maxsize=REMEMBERED_WORDS)(self._count_espeak_words)
         self.sample_rate_hz = int(config.sample_rate)
         self.inputs: dict[str, np.ndarray] = {"scales": np.array([
