@@ -45,7 +45,9 @@ def pytest_configure(config) -> None:
 PORTS_FIRST, PORTS_END = 20_000, 32_768
 _WORKER_INDEX = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 _PORTS_PER_WORKER = (PORTS_END - PORTS_FIRST) // PARALLEL_WORKERS
-_next_port = PORTS_FIRST + _WORKER_INDEX * _PORTS_PER_WORKER
+_WORKER_PORTS_FIRST = PORTS_FIRST + _WORKER_INDEX * _PORTS_PER_WORKER
+_WORKER_PORTS = range(_WORKER_PORTS_FIRST, _WORKER_PORTS_FIRST + _PORTS_PER_WORKER)
+_next_port = _WORKER_PORTS.start
 STACK_PORT_SPAN = 400  # `specvox up`: 4 stages x up to 4 workers at the supervisor's stride of 100
 
 
@@ -61,12 +63,11 @@ def _bindable(port: int) -> bool:
 def free_ports(span: int) -> int:
     """The first of `span` consecutive ports, all free, none handed out before in this run."""
     global _next_port
-    end = PORTS_FIRST + (_WORKER_INDEX + 1) * _PORTS_PER_WORKER
-    while _next_port + span <= end:
+    while _next_port + span <= _WORKER_PORTS.stop:
         first, _next_port = _next_port, _next_port + span
         if all(_bindable(port) for port in range(first, first + span)):
             return first
-    raise RuntimeError(f"this test worker's ports ({end - _PORTS_PER_WORKER}-{end - 1}) are used up")
+    raise RuntimeError(f"this test worker's ports ({_WORKER_PORTS.start}-{_WORKER_PORTS.stop - 1}) are used up")
 
 
 def free_port() -> int:

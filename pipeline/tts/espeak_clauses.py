@@ -14,6 +14,7 @@ every turn (docs/reliability.md, "Soak"):
   the same leak, echogarden-project/echogarden#64).
 `use_for_piper` puts both in the bridge's place, so piper's phonemizer, unchanged otherwise, uses them.
 """
+
 from __future__ import annotations
 
 import ctypes
