@@ -36,6 +36,7 @@ import torch
 
 from bench.prompts import load_prompts
 from pipeline.llm.engine import GenerationRequest, Generator
+from pipeline.llm.exact_codes import kernel_threads
 from pipeline.llm.model import load_model
 from pipeline.llm.options import LlmOptions
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
@@ -68,7 +69,8 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
                *([LLAMA_CPP] if llama_cpp else []), CONTROL_METHOD, *([EAGER_METHOD] if eager else []),
                *[f"specvox-{d}" for d in generator.drafters],
                *[f"specvox-{d}{TREE}" for d in ("ngram", "suffix", *generator.draft_heads)]]
-    print(f"torch threads {torch.get_num_threads()}, {settings.llm.dtype} on {settings.llm.device}", flush=True)
+    print(f"torch threads {torch.get_num_threads()}, kernel threads {kernel_threads()}, {settings.llm.dtype} on "
+          f"{settings.llm.device}", flush=True)
     runners = {CONTROL_METHOD: control, **({FLOAT32_BASELINE: float32} if float32 else {}),
                **({EAGER_METHOD: eager} if eager else {})}
     for hf_runner in (generator, *([float32] if float32 else [])):
@@ -116,6 +118,7 @@ def run(settings, limit: int, max_new_tokens: int, json_path: str | None,
                 "weights": "gguf (llama.cpp)" if method == LLAMA_CPP else runner.loaded.weights,
                 "verify_cost_per_token": None if method == LLAMA_CPP else round(runner.verify_cost.per_token, 4),
                 "torch_threads": torch.get_num_threads(),
+                "kernel_threads": kernel_threads(),
             })
         if json_path:  # after each set, so a long run that is stopped keeps what it finished
             Path(json_path).write_text(json.dumps(rows, indent=2) + "\n")

@@ -33,6 +33,7 @@ import torch
 
 from bench.prompts import load_prompts
 from pipeline.llm.engine import GenerationRequest, Generator
+from pipeline.llm.exact_codes import kernel_threads
 from pipeline.llm.lean_llama import LeanLlama
 from pipeline.llm.model import LoadedModel, load_model, rollback
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
@@ -66,7 +67,8 @@ def run(settings: Any, max_new_tokens: int, json_path: str | None, reps: int = R
     if lean.step is not None:
         paths.append(StepPath("fused+KVCache", lean, False))
     prompt = encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, load_prompts()["dialogue"][0]))
-    print(f"torch threads {torch.get_num_threads()}, weights {loaded.weights}, {settings.llm.dtype} on "
+    print(f"torch threads {torch.get_num_threads()}, kernel threads {kernel_threads()}, weights {loaded.weights}, "
+          f"{settings.llm.dtype} on "
           f"{settings.llm.device}, context {len(prompt)} tokens", flush=True)
     rows = []
     for tokens in (1, verify_tokens):
@@ -117,7 +119,8 @@ def _split_pass(paths: list[StepPath], loaded: LoadedModel, prompt: list[int], t
         split, ops = _profiled_split(path, caches[i], lambda i=i: one(i), reps)
         rows.append({"pass_tokens": tokens, "path": path.name, "median_ms": round(1e3 * statistics.median(times[i]), 3),
                      "torch_ops_per_pass": ops, **{f"{part}_ms": round(1e3 * split[part], 3) for part in PARTS},
-                     "context_tokens": held, "torch_threads": torch.get_num_threads()})
+                     "context_tokens": held, "torch_threads": torch.get_num_threads(),
+                     "kernel_threads": kernel_threads()})
     return rows
 
 
@@ -185,7 +188,8 @@ def _engine_row(loaded: LoadedModel, name: str, prompt: list[int], max_new_token
             "decode_tokens_per_s": round(stats.new_tokens / decode, 2) if decode else None,
             "target_ms_per_step": round(1e3 * stats.target_s / stats.steps, 3),
             "host_ms_per_step": round(1e3 * (decode - stats.target_s) / stats.steps, 3),
-            "prefill_ms": round(1e3 * stats.prefill_s, 1), "torch_threads": torch.get_num_threads()}
+            "prefill_ms": round(1e3 * stats.prefill_s, 1), "torch_threads": torch.get_num_threads(),
+            "kernel_threads": kernel_threads()}
 
 
 def print_tables(rows: list[dict], engine: list[dict]) -> None:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -211,6 +213,102 @@ def test_products_are_float32_products_and_each_row_is_computed_alone(coded):
             assert torch.equal(together, alone), f"{rows} rows differ from one at a time"
 
 
+@pytest.fixture
+def kernel_threads_restored():
+    """The kernels' thread count as the test found it, put back after (the pool is one a process)."""
+    before = exact_codes.kernels().threads()
+    yield exact_codes.kernels()
+    exact_codes.kernels().set_threads(before)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", (2, 3))
+def test_products_shared_with_helper_threads_are_the_same_bits_as_on_one(coded, kernel_threads_restored, threads):
+    linear, layer, output = coded
+    kernels = kernel_threads_restored
+    for weight in (layer, output):
+        for rows in (1, 3, 5, 9, 13):
+            x = torch.randn(rows, weight.shape[1])
+            assert kernels.set_threads(1) == 1
+            alone = linear(x, weight)
+            assert kernels.set_threads(threads) == threads
+            for _ in range(20):  # chunks land on different threads from call to call
+                assert torch.equal(linear(x, weight), alone), f"{rows} rows on {threads} threads"
+
+
+@needs_kernel
+def test_the_pool_times_both_ways_and_either_gives_the_same_bits(coded, kernel_threads_restored):
+    """The pool shares a loop or runs it on the caller, whichever its timed epochs of 512 loops
+    found faster (kernels/pool.h): the first two epochs run one way each."""
+    linear, layer, _ = coded
+    kernels = kernel_threads_restored
+    x = torch.randn(3, layer.shape[1])
+    kernels.set_threads(1)
+    alone = linear(x, layer)
+    kernels.set_threads(2)
+    before = kernels.pool_counts()
+    for _ in range(1100):
+        assert torch.equal(linear(x, layer), alone)
+    after = kernels.pool_counts()
+    assert after["shared_loops"] - before["shared_loops"] >= 512
+    assert after["solo_loops"] - before["solo_loops"] >= 512
+    assert after["shared_items_per_s"] > 0 and after["solo_items_per_s"] > 0
+
+
+@needs_kernel
+def test_products_called_from_two_threads_at_once_each_get_their_own_result(coded, kernel_threads_restored):
+    """One caller's loop at a time shares the helpers; a loop posted meanwhile runs on its caller."""
+    linear, layer, _ = coded
+    kernels = kernel_threads_restored
+    inputs = [torch.randn(5, layer.shape[1]) for _ in range(2)]
+    kernels.set_threads(1)
+    expected = [linear(x, layer) for x in inputs]
+    kernels.set_threads(2)
+    wrong = []
+
+    def hammer(i: int) -> None:
+        for _ in range(200):
+            if not torch.equal(linear(inputs[i], layer), expected[i]):
+                wrong.append(i)
+
+    callers = [threading.Thread(target=hammer, args=(i,)) for i in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(timeout=120)
+    assert not any(caller.is_alive() for caller in callers)
+    assert not wrong
+
+
+@needs_kernel
+def test_a_forked_child_computes_on_its_own_thread(coded, kernel_threads_restored):
+    """A fork copies no helper thread: the child's products run on its caller and do not hang."""
+    linear, layer, _ = coded
+    kernels = kernel_threads_restored
+    x = torch.randn(9, layer.shape[1])
+    kernels.set_threads(2)
+    expected = linear(x, layer)  # the parent's helpers are up
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only when it computed the same bits on one thread
+        signal.alarm(60)
+        try:
+            os._exit(0 if kernels.threads() == 1 and torch.equal(linear(x, layer), expected) else 1)
+        except BaseException:  # noqa: BLE001 - any failure is the child's exit status
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert torch.equal(linear(x, layer), expected)
+
+
+@needs_kernel
+def test_kernel_threads_zero_takes_one_a_core_up_to_the_cap(kernel_threads_restored):
+    cores = len(os.sched_getaffinity(0))
+    assert exact_codes.set_kernel_threads(0) == min(cores, exact_codes.MAX_KERNEL_THREADS)
+    assert exact_codes.set_kernel_threads(1) == 1 == exact_codes.kernel_threads()
+    with pytest.raises(ValueError, match="llm.kernel_threads must be 0"):
+        exact_codes.set_kernel_threads(-1)
+
+
 @needs_kernel
 def test_weights_that_are_not_codes_are_refused():
     torch.manual_seed(0)
@@ -294,7 +392,9 @@ def test_the_default_settings_load_the_bundled_target_as_codes(caplog):
     assert loaded.weights == "int4-exact" and isinstance(loaded.lean.linear, ExactCodesLinear)
     assert [r.getMessage() for r in caplog.records if r.name == "pipeline.llm.model"] == [
         "llm weights: int4-exact (llm.weights=auto: a float32 Q4_1 checkpoint on a CPU with AVX2 or AVX-512: "
-        "float32 outputs from the stored codes)"]
+        "float32 outputs from the stored codes)",
+        f"int4-exact kernels on {min(len(os.sched_getaffinity(0)), exact_codes.MAX_KERNEL_THREADS)} thread(s) "
+        "(llm.kernel_threads=0)"]
 
 
 DRAFT = [253, 1127, 30, 2365, 288, 260, 3267, 28]  # eight drafted tokens after the prompt

@@ -40,6 +40,7 @@ import functools
 import hashlib
 import logging
 import mmap
+import os
 import platform
 import struct
 import sys
@@ -57,14 +58,14 @@ log = logging.getLogger(__name__)
 KERNELS = Path(__file__).with_name("kernels")
 KERNEL_SOURCE = KERNELS / "exact_codes.cpp"
 # one extension: the products (exact_codes.cpp), the whole decoding pass (lean_step.cpp), what they share
-# (codes.h, and simd16.h: the 16-lane vector, one AVX-512 or two AVX2 registers)
-KERNEL_FILES = (KERNEL_SOURCE, KERNELS / "lean_step.cpp", KERNELS / "codes.h", KERNELS / "simd16.h")
-# Without -fopenmp, at::parallel_for in the kernels runs on the calling thread alone
-# (ATen/Parallel-inl.h splits work only in code compiled with OpenMP). Built with it, a step opens
-# ~150 parallel regions, and on a machine whose 2 cores other processes share (the llm beside asr
-# and tts, or beside other work) each region waits for its second thread to be scheduled: measured
-# 2026-12-02 under load ~4, a one-token step took 396 ms median on 2 threads against 28 ms on one
-# (docs/benchmarks.md, "Lean step and llama.cpp"). So the kernels stay on one thread.
+# (codes.h; simd16.h: the 16-lane vector, one AVX-512 or two AVX2 registers; pool.h: the helper threads)
+KERNEL_FILES = (KERNEL_SOURCE, KERNELS / "lean_step.cpp", KERNELS / "codes.h", KERNELS / "simd16.h",
+                KERNELS / "pool.h")
+# Built without -fopenmp: the kernels' loops share their work with pool.h's helper threads
+# (`llm.kernel_threads`), which the caller never waits on to start. OpenMP's regions did: on a
+# machine whose 2 cores other processes share, each of a step's ~150 regions waited for its second
+# thread to be scheduled (2026-12-02 under load ~4: 396 ms a one-token step on 2 threads against
+# 28 ms on one; docs/benchmarks.md, "Lean step and llama.cpp").
 KERNEL_FLAGS = ("-O3", "-march=native")
 LANES = 16  # output features per block of the kernel's layout: one AVX-512 register, or two AVX2 ones
 # torch's CPU capability → the instruction set the kernel is compiled for (simd16.h): its vector is
@@ -224,6 +225,27 @@ def kernels():
             stale.unlink(missing_ok=True)
         return cpp_extension.load(name, sources, extra_cflags=list(KERNEL_FLAGS), extra_include_paths=[str(KERNELS)],
                                   build_directory=str(build), verbose=False)
+
+
+# llm.kernel_threads=0 takes one thread per core, up to this many: a one-token step's smaller products
+# are 36 blocks of 16 features (the bundled target's), in chunks of one block past 4 threads.
+MAX_KERNEL_THREADS = 4
+
+
+def set_kernel_threads(requested: int) -> int:
+    """Put the kernels' loops on `requested` threads, the caller's included (0: one per core this
+    process may run on, at most `MAX_KERNEL_THREADS`); the count now in force. The helpers are one
+    set a process (`kernels/pool.h`), shared by every model it loads."""
+    if requested < 0:
+        raise ValueError(f"llm.kernel_threads must be 0 (one per core) or more, not {requested}")
+    threads = requested or min(MAX_KERNEL_THREADS, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                               else os.cpu_count() or 1)
+    return int(kernels().set_threads(threads))
+
+
+def kernel_threads() -> int:
+    """The threads the kernels' loops run on now (1 where the kernel is not loaded)."""
+    return int(kernels().threads()) if kernels.cache_info().currsize else 1
 
 
 def _by_blocks(per_feature: torch.Tensor) -> torch.Tensor:

@@ -160,6 +160,9 @@ def load_model(options: LlmOptions) -> LoadedModel:
         log.info("llm weights: %s (llm.weights=auto: %s)", form, reason)
     else:
         lean, form = _lean_pass(model, options), options.weights
+    if form == "int4-exact":
+        threads = exact_codes.set_kernel_threads(options.kernel_threads)
+        log.info("int4-exact kernels on %d thread(s) (llm.kernel_threads=%d)", threads, options.kernel_threads)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

@@ -18,6 +18,9 @@ class LlmOptions:
     dtype: str = "float32"
     max_new_tokens: int = 96
     torch_threads: int = 0  # 0: torch's default
+    # weights=int4-exact: threads its kernels' loops run on, the calling one included (kernels/pool.h);
+    # 0: one per core this process may run on, at most `exact_codes.MAX_KERNEL_THREADS`
+    kernel_threads: int = 0
     offline: bool = True  # never reach a model hub unless told to
     # A GGUF target's conversion to transformers' format, made on its first load and read by the
     # later ones (pipeline/llm/gguf_cache.py: ~1 s against ~21 s): "" $XDG_CACHE_HOME/specvox/gguf

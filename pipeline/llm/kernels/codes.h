@@ -2,11 +2,10 @@
 // lean_step.cpp (a whole decoding pass in one call). See exact_codes.cpp for the layout.
 // Written once on simd16.h's 16-lane vector (one AVX-512 register, or two AVX2 registers).
 #pragma once
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cstdint>
 
+#include "pool.h"
 #include "simd16.h"
 
 namespace specvox {
@@ -155,15 +154,17 @@ void block_product_halves(const float* x, int64_t K, const uint8_t* records, flo
 }
 #endif
 
-// All blocks of 16 output features for `rows` activation rows (at::parallel_for: on one thread, as
-// exact_codes.py builds the extension without OpenMP; see KERNEL_FLAGS there).
+// All blocks of 16 output features for `rows` activation rows, shared with the pool's helpers
+// (pool.h; `llm.kernel_threads`) in chunks of blocks: a block is computed whole by one thread, so
+// which thread computes it changes no bit. About 32 chunks a thread keep the shares even and a chunk short.
 // One instantiation per row count (1..kRowsPerSweep) keeps the accumulators in registers.
 template <class Codes, int M = kRowsPerSweep>
 void sweep(int64_t rows, const float* x, int64_t K, const uint8_t* records, float* out, int64_t N) {
   if constexpr (M > 1) {
     if (rows < M) return sweep<Codes, M - 1>(rows, x, K, records, out, N);
   }
-  at::parallel_for(0, N / kLanes, 8, [&](int64_t b0, int64_t b1) {
+  const int64_t blocks = N / kLanes;
+  parallel_for(0, blocks, std::max<int64_t>(1, blocks / (32 * Pool::instance().threads())), [&](int64_t b0, int64_t b1) {
 #if !SPECVOX_AVX512
     if constexpr (M > 2) {
       for (int64_t b = b0; b < b1; ++b) block_product_halves<Codes, M>(x, K, records, out, N, b);

@@ -47,7 +47,18 @@ void register_lean_step(pybind11::module& m);  // lean_step.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("isa") = specvox::simd::kIsa;  // what -march=native compiled: "AVX-512" or "AVX2"
-  m.def("int4_linear", &int4_linear, "x @ W.T, W as records of 4-bit codes, a float16 scale and low per 32");
-  m.def("int8_linear", &int8_linear, "x @ W.T, W as records of 8-bit codes, a float16 scale per 32");
+  // the products release the GIL: the llm service's other threads go on meanwhile
+  m.def("int4_linear", &int4_linear, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "x @ W.T, W as records of 4-bit codes, a float16 scale and low per 32");
+  m.def("int8_linear", &int8_linear, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "x @ W.T, W as records of 8-bit codes, a float16 scale per 32");
+  m.def("set_threads", [](int threads) { return specvox::Pool::instance().set_threads(threads); },
+        "threads for the kernels' loops, the caller's included (1: the caller alone); the count in force");
+  m.def("threads", [] { return specvox::Pool::instance().threads(); }, "threads the kernels' loops run on");
+  m.def("pool_counts", [] {
+    const auto c = specvox::Pool::instance().counts();
+    return pybind11::dict(pybind11::arg("shared_loops") = c.shared_loops, pybind11::arg("solo_loops") = c.solo_loops,
+                          pybind11::arg("shared_items_per_s") = c.shared_rate, pybind11::arg("solo_items_per_s") = c.solo_rate);
+  }, "loops run shared and alone since the process started, and each way's latest rate (kernels/pool.h)");
   register_lean_step(m);
 }

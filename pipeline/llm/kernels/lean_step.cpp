@@ -14,7 +14,6 @@
 // The KV cache is pipeline/llm/kv_cache.py's: keys and values [layers, B, H_kv, capacity, D];
 // this pass writes its rows' keys and values at slots start .. start + T - 1.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include <chrono>
 #include <cmath>
@@ -212,7 +211,7 @@ class LeanStep {
         }
       }
       timer.lap(kCache);
-      at::parallel_for(0, N * heads_, 1, [&](int64_t i0, int64_t i1) {
+      specvox::parallel_for(0, N * heads_, 2, [&](int64_t i0, int64_t i1) {
         thread_local std::vector<float> scores;
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t n = i / heads_, hd = i % heads_, b = n / T, kh = hd / group;
