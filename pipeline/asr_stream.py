@@ -132,6 +132,9 @@ def spoken_words(words: Sequence[Word], utterance: Utterance, ended: bool = Fals
     utterance once more, every word aligned to the same instant at the end of the speech.
     A real last word that whisper tiny is unsure of ("Why do cats [purr]?" at 0.10-0.21 on
     four voices) lies well inside the speech: it began 0.2-0.4 s before the VAD's end.
+    The utterance once more is not always all at one instant: its last word may be given the
+    frames left ("what about? what[8.236-8.236] about?[8.236-8.256]"), so a trailing copy of the
+    words just before it with a word of no duration goes as a whole (`_repeated_tail`).
     """
     spoken = [w for w in words if w.start_s < utterance.speech_end_s]
 
@@ -139,9 +142,26 @@ def spoken_words(words: Sequence[Word], utterance: Utterance, ended: bool = Fals
         unsure = w.probability < tail_min_probability and utterance.speech_end_s - w.start_s < tail_inside_s
         return unsure or w.end_s <= w.start_s
 
-    while ended and spoken and added(spoken[-1]):
-        spoken.pop()
+    while ended and spoken:
+        if added(spoken[-1]):
+            spoken.pop()
+        elif repeated := _repeated_tail(spoken):
+            del spoken[-repeated:]
+        else:
+            break
     return tuple(spoken)
+
+
+def _repeated_tail(words: Sequence[Word]) -> int:
+    """How many trailing words are whisper's copy of the words just before them: the same words
+    (as `norm_word` compares them), one of them given no duration, as no spoken word is (a real
+    repetition, "bye bye", is timed like what it repeats); 0: none."""
+    for k in range(1, len(words) // 2 + 1):
+        copy, said = words[-k:], words[-2 * k : -k]
+        if ([norm_word(w.text) for w in copy] == [norm_word(w.text) for w in said]
+                and any(w.end_s <= w.start_s for w in copy)):
+            return k
+    return 0
 
 
 @dataclass(frozen=True)

@@ -260,6 +260,35 @@ def test_words_whisper_adds_to_the_silence_after_the_speech_are_dropped():
     assert texts(spoken_words(again, utterance, ended=True, tail_min_probability=0.5)) == ["how", "now?"]
 
 
+def test_whispers_copy_of_the_last_words_goes_though_its_last_word_has_frames():
+    """A barge-in over the avatar ("Wait, what about boots?", 2026-12-05) came out "what about? what about?
+    boots?": the pass at the pause after "about" ended with whisper's copy of the words, "what" at one
+    instant and "about?" 20 ms long, so the trailing trim stopped at "about?" (these are that pass's words)."""
+    at_pause = Utterance(3, speech_start_s=7.936, speech_end_s=8.32, audio=np.zeros(1, np.float32))
+    copied = [Word(" what", 7.636, 8.096, 0.24), Word(" about?", 8.096, 8.236, 0.97),
+              Word(" what", 8.236, 8.236, 0.17), Word(" about?", 8.236, 8.256, 0.98)]
+    assert texts(spoken_words(copied, at_pause, True, 0.3, 0.15)) == ["what", "about?"]
+    assert texts(spoken_words(copied, at_pause, ended=False)) == texts(copied)  # a partial's tail stays tentative
+    # LocalAgreement commits what two passes agree on, and the pass at a pause settles every word: the
+    # partial before it (the words heard by then after a copy at the audio's first instant) agreed on all four.
+    before = [Word(" what", 7.636, 7.636, 0.27), Word(" about?", 7.636, 7.636, 0.96),
+              Word(" What", 7.636, 7.636, 0.72), Word(" about?", 7.636, 7.636, 0.99),
+              Word(" What", 7.936, 8.036, 0.87), Word(" about", 8.036, 8.176, 0.99)]
+    agreement = LocalAgreement(n=2)
+    agreement.update(spoken_words(before, at_pause), settled_until_s=8.2 - 0.3)
+    agreement.update(spoken_words(copied, at_pause, True, 0.3, 0.15))
+    assert texts(agreement.committed) == ["what", "about?"]
+    # The same barge-in fed in 20 ms chunks: three words copied, the last one 120 ms long.
+    ended = Utterance(3, speech_start_s=7.936, speech_end_s=8.86, audio=np.zeros(1, np.float32))
+    copied = [Word(" What", 7.636, 8.096, 0.7), Word(" about", 8.096, 8.376, 0.97),
+              Word(" boots?", 8.416, 8.616, 0.79), Word(" What", 8.616, 8.616, 0.66),
+              Word(" about", 8.616, 8.616, 0.99), Word(" boots?", 8.616, 8.736, 0.99)]
+    assert texts(spoken_words(copied, ended, True, 0.3, 0.15)) == ["What", "about", "boots?"]
+    # Said twice, each word timed: a real repetition stays.
+    twice = [Word(" bye", 8.2, 8.4, 0.9), Word(" bye.", 8.5, 8.8, 0.9)]
+    assert texts(spoken_words(twice, ended, True, 0.3, 0.15)) == ["bye", "bye."]
+
+
 def test_the_last_hypothesis_ends_the_utterance_without_its_words_twice():
     agreement = LocalAgreement(n=2)
     # Whisper's repeat of the utterance, every word at one instant: unseen() would take all six again.
