@@ -255,6 +255,15 @@ def _idle_threads_yield() -> None:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
+def kernel_threads_beside_other_stages(settings, env: dict[str, str]) -> None:
+    """Under `specvox up` the llm shares the machine's cores with asr and tts, so its int4-exact
+    kernels run on the calling thread unless `llm.kernel_threads` names a count (its 0, one per core,
+    is for an llm with a machine to itself). Two kernel threads beside the other stages, 4 sessions
+    on 2 cores (2026-12-05, docs/benchmarks.md): the budget missed in 19 of 72 turns against 12 on one."""
+    if settings.llm.kernel_threads == 0:
+        env.setdefault("SPECVOX_LLM__KERNEL_THREADS", "1")
+
+
 def serve_one(settings, service: str) -> int:
     import importlib
 
@@ -300,6 +309,7 @@ def up(settings, tts_python: str = "", stages: tuple[str, ...] = SERVICES,
         return 2
     embedded = None
     env = dict(os.environ)
+    kernel_threads_beside_other_stages(settings, env)
     # Keys enforced at the gateway: asr, llm and tts take only the cluster's credential (generated once).
     cluster_auth, credential_env = auth.cluster_credential(
         settings.auth, Path(settings.redis.data_dir or default_data_dir()).parent)

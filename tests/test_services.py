@@ -21,10 +21,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pipeline.audio import float_to_pcm16
+from pipeline.llm.options import LlmOptions
 from pipeline.turn_taking import DEFAULT_BACKCHANNELS, TurnTaking
+from services.cli import kernel_threads_beside_other_stages
 from services.client import ClientOptions, converse, write_outputs
 from services.protos import load, load_common
 from services.redis_store import SessionStore, TurnStore, connect
+from services.settings import Settings
 from tests.conftest import write_wav
 
 gw, gw_grpc = load("gateway")
@@ -117,6 +120,17 @@ def test_the_gateway_runs_without_torch(stack):
     assert "libtorch_cpu.so" not in mapped and "libtorch_python.so" not in mapped, sorted(mapped)
     llm = {Path(m.path).name for m in listening_process(stack["llm"]).memory_maps()}
     assert "libtorch_cpu.so" in llm  # the check sees torch where it is
+
+
+def test_under_specvox_up_the_llms_kernels_run_on_one_thread(stack):
+    """asr and tts share the cores there; a second kernel thread lost at 4 sessions (docs/benchmarks.md)."""
+    assert listening_process(stack["llm"]).environ().get("SPECVOX_LLM__KERNEL_THREADS") == "1"
+    env = {"SPECVOX_LLM__KERNEL_THREADS": "3"}
+    kernel_threads_beside_other_stages(Settings(), env)  # the user's own setting wins
+    assert env == {"SPECVOX_LLM__KERNEL_THREADS": "3"}
+    env = {}
+    kernel_threads_beside_other_stages(Settings(llm=LlmOptions(kernel_threads=2)), env)
+    assert env == {}
 
 
 @pytest.mark.parametrize("service", SERVICE_NAMES)
