@@ -162,6 +162,20 @@ def test_the_kernel_runs_on_avx2_and_avx512_cpus_and_its_build_is_named_by_the_i
     assert "x86-64 with AVX2 or AVX-512, not aarch64" in str(unavailable_reason())
 
 
+def test_builds_for_two_torch_installs_or_two_checkouts_are_kept_apart(monkeypatch, tmp_path):
+    """The Coqui backend's environment (torch 2.9) shares torch's extensions cache with this one
+    (2.13): under one name each rebuilt over the other's build at its next load."""
+    here = exact_codes.kernel_name()
+    monkeypatch.setattr(exact_codes.torch, "__version__", "2.9.1+cu128")
+    assert exact_codes.kernel_name() != here
+    monkeypatch.undo()
+    shutil.copytree(exact_codes.KERNELS, tmp_path / "kernels")
+    monkeypatch.setattr(exact_codes, "KERNELS", tmp_path / "kernels")  # the same sources, another checkout
+    assert exact_codes.kernel_name() != here
+    monkeypatch.undo()
+    assert exact_codes.kernel_name() == here
+
+
 def q4_1_matrix(out_features: int, in_features: int) -> torch.Tensor:
     """Weights as GGUF's Q4_1 stores them: w = d·q + m per group of 32, d and m float16, each
     group using codes 0 and 15 (the quantizer maps the group's extremes there)."""

@@ -194,12 +194,18 @@ def checkpoint_reason(gguf_path: str | Path | None) -> str | None:
 
 def kernel_name() -> str:
     """The extension's name: the instruction set it is compiled for, then a hash of the kernel's
-    sources, its compiler flags and this CPU's flags (it is built with -march=native, so a build for
-    another CPU, AVX2 or AVX-512, is never loaded here), e.g. `specvox_exact_codes_avx2_0123456789ab`."""
+    sources, its compiler flags, this CPU's flags (it is built with -march=native, so a build for
+    another CPU, AVX2 or AVX-512, is never loaded here) and the build's environment: where the
+    sources and this torch are, and torch's version. Two environments sharing torch's extensions
+    cache (the Coqui backend's has torch 2.9, against 2.13 here) or two checkouts then build apart,
+    instead of rebuilding over each other (half a minute each load) and loading a library built
+    against the other torch. E.g. `specvox_exact_codes_avx2_0123456789ab`."""
     source = b"".join(path.read_bytes() for path in KERNEL_FILES) + " ".join(KERNEL_FLAGS).encode()
     flags = " ".join(sorted(_cpu_flags())) or platform.processor()
+    environment = f"{KERNELS.resolve()} {Path(torch.__file__).resolve().parent} {torch.__version__} {sys.version}"
     isa = KERNEL_ISAS.get(torch.backends.cpu.get_cpu_capability(), "unsupported")
-    return f"specvox_exact_codes_{isa}_" + hashlib.sha256(source + flags.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(source + flags.encode() + environment.encode()).hexdigest()[:12]
+    return f"specvox_exact_codes_{isa}_{digest}"
 
 
 @functools.cache
