@@ -18,6 +18,10 @@ Unlike `llm.weights=int4` (`weight_kernels.Int4Linear`: requantized weights, bfl
 activations), nothing is rounded that the float32 model does not round, so outputs are
 the float32 model's.
 
+The kernels' loops run on `llm.kernel_threads` threads (`kernels/pool.h`: helpers that the calling
+thread never waits on to start, off by themselves where the cores are taken; the bits do not
+depend on the count).
+
 The kernel is C++ written once on a 16-lane vector (`kernels/simd16.h`) that is one AVX-512
 register, or two AVX2 registers on a CPU with AVX2, FMA and F16C but no AVX-512; its summation
 orders are fixed per instruction set, so results are reproducible on one machine (and each row
