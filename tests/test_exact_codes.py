@@ -176,6 +176,18 @@ def test_builds_for_two_torch_installs_or_two_checkouts_are_kept_apart(monkeypat
     assert exact_codes.kernel_name() == here
 
 
+def test_the_kernel_is_built_by_this_environments_ninja_whatever_path_says_first(monkeypatch):
+    """A system ninja (1.11) and the environment's (1.13) hash a build's commands differently:
+    each took the other's build for stale and compiled it again."""
+    ours = Path(sys.executable).parent / "ninja"
+    if not ours.exists():
+        pytest.skip("no ninja beside this interpreter")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # as `make test` and a supervised service run
+    with exact_codes._this_environments_ninja():
+        assert shutil.which("ninja") == str(ours)
+    assert os.environ["PATH"] == "/usr/bin:/bin"
+
+
 def q4_1_matrix(out_features: int, in_features: int) -> torch.Tensor:
     """Weights as GGUF's Q4_1 stores them: w = d·q + m per group of 32, d and m float16, each
     group using codes 0 and 15 (the quantizer maps the group's extremes there)."""

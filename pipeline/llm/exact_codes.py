@@ -39,6 +39,7 @@ this machine can run the kernel (`pipeline.llm.model.auto_weights` decides).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fcntl
 import functools
 import hashlib
@@ -49,7 +50,7 @@ import platform
 import struct
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -233,8 +234,29 @@ def kernels():
         if stale.exists():
             log.warning("removing %s, left by a kernel build that did not finish", stale)
             stale.unlink(missing_ok=True)
-        return cpp_extension.load(name, sources, extra_cflags=list(KERNEL_FLAGS), extra_include_paths=[str(KERNELS)],
-                                  build_directory=str(build), verbose=False)
+        with _this_environments_ninja():
+            return cpp_extension.load(name, sources, extra_cflags=list(KERNEL_FLAGS),
+                                      extra_include_paths=[str(KERNELS)], build_directory=str(build), verbose=False)
+
+
+@contextlib.contextmanager
+def _this_environments_ninja() -> Iterator[None]:
+    """torch runs the `ninja` first on PATH: the one our dependencies install beside this
+    interpreter in an activated environment, often the system's (1.11 here, against 1.13) when
+    the environment's python is run by path (`make test`, a service started by a supervisor).
+    Two ninja versions hash a build's commands differently, so each took the other's build for
+    stale and compiled again (half a minute at each alternation). The build runs with this
+    interpreter's folder first on PATH where a ninja is there."""
+    scripts = Path(sys.executable).parent
+    if not (scripts / "ninja").exists():
+        yield
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = os.pathsep.join((str(scripts), path)) if path else str(scripts)
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
 
 
 # llm.kernel_threads=0 takes one thread per core, up to this many: a one-token step's smaller products
