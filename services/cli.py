@@ -59,9 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--dtype", help="float32, bfloat16, float16 or float64 (default: llm.dtype)")
-    gen.add_argument("--weights", choices=["auto", "dense", "int4-exact", "int4"],
+    gen.add_argument("--weights", choices=["auto", "dense", "int4-exact", "int4-q8", "int4"],
                      help="auto: int4-exact where it applies, else dense; "
                           "int4-exact: the GGUF's own 4-bit codes, float32 arithmetic (CPU, AVX2 or AVX-512); "
+                          "int4-q8: the same codes on 8-bit activations, integer products (llama.cpp's arithmetic); "
                           "int4: 4-bit layer weights on a CPU, with --dtype bfloat16 (default: llm.weights)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
     draft = sub.add_parser("train-draft", help="train a draft head (EAGLE or Medusa) on the target's own replies, "

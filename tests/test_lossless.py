@@ -153,6 +153,8 @@ WEIGHT_FORMS = [
     pytest.param("dense", "float32", id="dense-float32"),
     pytest.param("int4-exact", "float32", id="int4-exact-float32", marks=[CPU_ONLY, pytest.mark.skipif(
         unavailable_reason() is not None, reason=str(unavailable_reason()))]),
+    pytest.param("int4-q8", "float32", id="int4-q8-float32", marks=[CPU_ONLY, pytest.mark.skipif(
+        unavailable_reason() is not None, reason=str(unavailable_reason()))]),
     pytest.param("int4", "bfloat16", id="int4-bfloat16", marks=CPU_ONLY),
 ]
 

@@ -18,6 +18,13 @@ Unlike `llm.weights=int4` (`weight_kernels.Int4Linear`: requantized weights, bfl
 activations), nothing is rounded that the float32 model does not round, so outputs are
 the float32 model's.
 
+`llm.weights=int4-q8` runs the same codes on activations quantized to 8 bits per group of 32
+(GGUF's Q8_0, row by row) with integer dot products (`kernels/codes.h`, "8-bit activations"), as
+llama.cpp does: a third of the float32 path's instructions a weight, so a one-token step's
+products take about a third of the time and a verified row about half; outputs are the form's
+own, not float32's, and each row is still computed alone (speculative decoding equals plain
+decoding in it). Its prompts are prefilled through the fused pass too (`lean_llama.FUSED_PREFILL_TOKENS`).
+
 The kernels' loops run on `llm.kernel_threads` threads (`kernels/pool.h`: helpers that the calling
 thread never waits on to start, off by themselves where the cores are taken; the bits do not
 depend on the count).
@@ -86,6 +93,8 @@ class CodedWeight:
 
     records: torch.Tensor
     bits: int  # 4 or 8
+    # the codes in dot-product order, for products on 8-bit activations (llm.weights=int4-q8)
+    int8_activations: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -219,10 +228,15 @@ def kernels():
     reason = unavailable_reason()
     if reason:
         raise RuntimeError(reason)
+    log.info("loading the int4-exact kernel (compiled on first use on this machine: about a minute)")
+    return build_kernels(kernel_name())
+
+
+def build_kernels(name: str, extra_flags: Sequence[str] = ()):
+    """The kernel module built as `name` with `KERNEL_FLAGS` and `extra_flags` (tests build it for a
+    lower instruction set too), or loaded from torch's cache where that build is there."""
     from torch.utils import cpp_extension
 
-    log.info("loading the int4-exact kernel (compiled on first use on this machine: about a minute)")
-    name = kernel_name()
     sources = [str(path) for path in KERNEL_FILES if path.suffix == ".cpp"]
     # torch's own build lock is a file that a killed build leaves behind, and every later load
     # then waits on it forever. Builds of ours take an flock first (the kernel drops it when its
@@ -235,7 +249,7 @@ def kernels():
             log.warning("removing %s, left by a kernel build that did not finish", stale)
             stale.unlink(missing_ok=True)
         with _this_environments_ninja():
-            return cpp_extension.load(name, sources, extra_cflags=list(KERNEL_FLAGS),
+            return cpp_extension.load(name, sources, extra_cflags=[*KERNEL_FLAGS, *extra_flags],
                                       extra_include_paths=[str(KERNELS)], build_directory=str(build), verbose=False)
 
 
@@ -303,9 +317,10 @@ def _coded_shape_ok(weight: torch.Tensor) -> bool:
             and weight.shape[0] % LANES == 0 and weight.shape[1] % INT4_GROUP == 0)
 
 
-def pack_int4(weight: torch.Tensor) -> CodedWeight | None:
+def pack_int4(weight: torch.Tensor, int8_activations: bool = False) -> CodedWeight | None:
     """The matrix as 4-bit codes with a scale and a low per group of 32 (Q4_1's grid), or None
-    when the codes do not give back every weight bit for bit."""
+    when the codes do not give back every weight bit for bit. `int8_activations`: the codes in the
+    order the products on 8-bit activations read them (`kernels/codes.h`, `Int4DotCodes`)."""
     if not _coded_shape_ok(weight):
         return None
     q, scale, low = quantize_int4(weight)
@@ -315,14 +330,24 @@ def pack_int4(weight: torch.Tensor) -> CodedWeight | None:
     if not (_exact(grouped, scale[..., None]) and torch.equal(low.half().float(), low)
             and torch.equal((grouped * scale[..., None] + low[..., None]).reshape(out, width), weight)):
         return None
-    pairs = _by_blocks(q.to(torch.uint8)).reshape(out // LANES, width // 2, 2, LANES)
-    codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(out // LANES, groups, INT4_GROUP // 2 * LANES)
-    return CodedWeight(torch.cat((_halves(scale), _halves(low), codes), dim=-1).contiguous(), bits=4)
+    q = q.to(torch.uint8)
+    if int8_activations:
+        # [block, t, group, j, half, k] -> [block, group, j, half, t, k]: byte 4t+k of vector j holds
+        # input 8j+k in its low 4 bits and input 8j+4+k in its high 4
+        split = q.reshape(out // LANES, LANES, groups, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)
+        codes = (split[:, :, :, 0] | (split[:, :, :, 1] << 4)).reshape(out // LANES, groups, INT4_GROUP // 2 * LANES)
+    else:
+        pairs = _by_blocks(q).reshape(out // LANES, width // 2, 2, LANES)
+        codes = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(out // LANES, groups, INT4_GROUP // 2 * LANES)
+    return CodedWeight(torch.cat((_halves(scale), _halves(low), codes), dim=-1).contiguous(), bits=4,
+                       int8_activations=int8_activations)
 
 
-def pack_int8(weight: torch.Tensor) -> CodedWeight | None:
+def pack_int8(weight: torch.Tensor, int8_activations: bool = False) -> CodedWeight | None:
     """The matrix as 8-bit codes with a scale per group of 32 (Q8_0's grid: the group's largest
-    magnitude is code ±127), or None when the codes do not give back every weight bit for bit."""
+    magnitude is code ±127), or None when the codes do not give back every weight bit for bit.
+    `int8_activations`: the codes plus 128, in the order the products on 8-bit activations read
+    them (`kernels/codes.h`, `Int8DotCodes`)."""
     if not _coded_shape_ok(weight):
         return None
     out, width = weight.shape
@@ -331,53 +356,70 @@ def pack_int8(weight: torch.Tensor) -> CodedWeight | None:
     q = (groups / scale[..., None].clamp(min=torch.finfo(torch.float32).tiny)).round()
     if not (_exact(q, scale[..., None]) and torch.equal(q * scale[..., None], groups)):
         return None
-    codes = _by_blocks(q.reshape(out, width).to(torch.int8)).view(torch.uint8)
+    if int8_activations:
+        # [block, t, group, j, k] -> [block, group, j, t, k]: byte 4t+k of vector j holds input 4j+k
+        shifted = (q.to(torch.int16) + 128).to(torch.uint8)
+        codes = shifted.reshape(out // LANES, LANES, width // INT4_GROUP, 8, 4).permute(0, 2, 3, 1, 4)
+    else:
+        codes = _by_blocks(q.reshape(out, width).to(torch.int8)).view(torch.uint8)
     codes = codes.reshape(out // LANES, width // INT4_GROUP, INT4_GROUP * LANES)
-    return CodedWeight(torch.cat((_halves(scale), codes), dim=-1).contiguous(), bits=8)
+    return CodedWeight(torch.cat((_halves(scale), codes), dim=-1).contiguous(), bits=8,
+                       int8_activations=int8_activations)
 
 
 class ExactCodesLinear:
     """x @ W.T for float32 x, with the layers' weights as 4-bit codes and the output matrix as
     8-bit codes (`llm.weights=int4-exact`). A weight with no coded form goes through `F.linear`.
+    `int8_activations`: the products quantize x to 8 bits per group of 32 first and sum integer
+    products, as llama.cpp does (`llm.weights=int4-q8`; `kernels/codes.h`): about a third of the
+    float32 path's instructions a weight, outputs no longer float32's but the same for a row
+    whatever rows are beside it.
 
     Raises ValueError, naming how many, when the layers' weights are not exactly 4-bit codes:
     the mode exists for quantized checkpoints (a Q4_1 GGUF), where they are.
     """
 
-    def __init__(self, layer_weights: Sequence[torch.Tensor], output_weight: torch.Tensor | None = None) -> None:
+    def __init__(self, layer_weights: Sequence[torch.Tensor], output_weight: torch.Tensor | None = None,
+                 int8_activations: bool = False) -> None:
+        self.form = "int4-q8" if int8_activations else "int4-exact"
+        self.int8_activations = int8_activations
         reason = unavailable_reason()
         if reason:
-            raise ValueError(f"llm.weights=int4-exact: {reason}; use llm.weights=dense")
+            raise ValueError(f"llm.weights={self.form}: {reason}; use llm.weights=dense")
         self.kernels = kernels()
         self.coded: dict[int, CodedWeight] = {}
         misses = 0
         for weight in layer_weights:
-            packed = pack_int4(weight)
+            packed = pack_int4(weight, int8_activations)
             misses += packed is None
             if packed is not None:
                 self.coded[weight.data_ptr()] = packed
         if misses:
-            raise ValueError(f"llm.weights=int4-exact needs layer weights that are exactly 4-bit codes in groups of 32 "
-                             f"(a Q4_1 GGUF target), in float32 on a CPU; {misses} of {len(layer_weights)} are not: "
-                             "use llm.weights=dense, or int4 to requantize")
+            raise ValueError(f"llm.weights={self.form} needs layer weights that are exactly 4-bit codes in groups "
+                             f"of 32 (a Q4_1 GGUF target), in float32 on a CPU; {misses} of {len(layer_weights)} "
+                             "are not: use llm.weights=dense, or int4 to requantize")
         if output_weight is not None:
-            packed = pack_int8(output_weight)
+            packed = pack_int8(output_weight, int8_activations)
             if packed is not None:
                 self.coded[output_weight.data_ptr()] = packed
             else:
-                log.info("int4-exact: the output matrix is not 8-bit codes; it stays dense")
+                log.info("%s: the output matrix is not 8-bit codes; it stays dense", self.form)
 
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.coded.values())
+
+    def _product(self, coded: CodedWeight):
+        if coded.int8_activations:
+            return self.kernels.int4_q8_linear if coded.bits == 4 else self.kernels.int8_q8_linear
+        return self.kernels.int4_linear if coded.bits == 4 else self.kernels.int8_linear
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         coded = self.coded.get(weight.data_ptr())
         if coded is None:
             return plain_linear(x, weight)
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        product = self.kernels.int4_linear if coded.bits == 4 else self.kernels.int8_linear
-        out = product(rows, coded.records)
+        out = self._product(coded)(rows, coded.records)
         return out.view(*x.shape[:-1], out.shape[-1])
 
 

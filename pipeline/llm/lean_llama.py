@@ -53,10 +53,16 @@ from pipeline.llm.weight_kernels import (
 )
 
 ROPE_TABLE_STEP = 1024  # positions added to the rotary table at a time
-WEIGHT_FORMS = ("dense", "int4-exact", "int4")  # llm.weights
+WEIGHT_FORMS = ("dense", "int4-exact", "int4-q8", "int4")  # llm.weights
 # A pass of up to this many tokens a row decodes or verifies; a longer one is a prompt's prefill,
 # which runs batched attention and dense products (the fastest there, whatever the weights' form).
 DECODE_MAX_TOKENS = 32
+# With int4-q8 weights a prompt of up to this many tokens is prefilled through the fused C++ pass, every row
+# alone, 1.3-2.2× faster than torch's batched pass over the dense weights from 40 to 300 tokens; a longer
+# one, whose row-by-row attention catches up with its products (even at 600), through torch's pass. On
+# float32 activations (int4-exact) the fused pass won only below ~80 tokens, so those prompts stay dense
+# past DECODE_MAX_TOKENS (docs/benchmarks.md, 2026-12-05).
+FUSED_PREFILL_TOKENS = 512
 
 
 @dataclass
@@ -128,6 +134,9 @@ class LeanLlama:
         self._cos = self._sin = self.embed.new_zeros(0, self.head_dim)
         self.fused = fused
         self.step = self._lean_step()
+        # a longer pass than a decoding one that still runs fused: int4-q8's prompts (`FUSED_PREFILL_TOKENS`)
+        self.fused_prefill_tokens = (FUSED_PREFILL_TOKENS if getattr(self.linear, "int8_activations", False)
+                                     else DECODE_MAX_TOKENS)
         self.graphs, self.graph_tokens = graphs, graph_tokens
         self.graphed, self.graph_buffers = self._graphed_pass_parts()
         # None, or a float64 [4] tensor to which the C++ pass adds its seconds by part (products,
@@ -148,7 +157,7 @@ class LeanLlama:
         norms = [[layer.input_norm.contiguous() for layer in self.layers],
                  [layer.post_norm.contiguous() for layer in self.layers]]
         return linear.kernels.LeanStep(norms[0], records[0], records[1], norms[1], records[2], records[3],
-                                       self.heads, self.kv_heads, self.head_dim, self.eps)
+                                       self.heads, self.kv_heads, self.head_dim, self.eps, linear.int8_activations)
 
     def _graphed_pass_parts(self) -> tuple[GraphedPass | None, GraphBuffers | None]:
         """This pass's decoding passes as CUDA graphs (`_graph_body`) and the cache buffers they are
@@ -162,8 +171,8 @@ class LeanLlama:
         if weights == "int4":
             Int4Linear.check(self.embed)
             return Int4Linear(layer_weights)  # the output projection stays dense (8-bit in the GGUF)
-        if weights == "int4-exact":
-            return ExactCodesLinear(layer_weights, self.lm_head)
+        if weights in ("int4-exact", "int4-q8"):
+            return ExactCodesLinear(layer_weights, self.lm_head, int8_activations=weights == "int4-q8")
         if packed and PackedLinear.applies(self.embed):
             return PackedLinear([*layer_weights, self.lm_head])
         return row_invariant_linear if self.row_invariant else plain_linear
@@ -198,7 +207,8 @@ class LeanLlama:
             raise ValueError(f"a rows_alone pass holds at most {DECODE_MAX_TOKENS} tokens, not {new}")
         if visible is not None and (attention_mask is not None or position_ids is None or not decoding):
             raise ValueError("a visible mask goes with position_ids, without attention_mask, in a decoding pass")
-        if self.step is not None and decoding and isinstance(cache, KVCache) and cache.batch == batch:
+        fused = decoding or new <= self.fused_prefill_tokens  # a prompt too, where that pays
+        if self.step is not None and fused and isinstance(cache, KVCache) and cache.batch == batch:
             return self._fused_pass(input_ids, cache, attention_mask, position_ids, logits_to_keep, visible)
         # graphed: one reply's step or verification (a chain or a tree); a one-token pass is its own row
         if (self.graphed is not None and self.graph_buffers is not None and batch == 1 and new <= MAX_GRAPHED_TOKENS

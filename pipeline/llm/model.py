@@ -41,7 +41,7 @@ class LoadedModel:
     context_tokens: int
     eos_token_ids: frozenset[int]
     lean: LeanLlama | None = None  # the lean forward pass over `model`'s weights, where it applies
-    weights: str = "dense"  # the weight form it runs in (llm.weights, "auto" resolved): dense, int4-exact, int4
+    weights: str = "dense"  # the form it runs in (llm.weights, "auto" resolved): dense, int4-exact, int4-q8, int4
 
 
 def load_draft_model(options: LlmOptions, target: LoadedModel) -> LoadedModel | None:
@@ -160,9 +160,9 @@ def load_model(options: LlmOptions) -> LoadedModel:
         log.info("llm weights: %s (llm.weights=auto: %s)", form, reason)
     else:
         lean, form = _lean_pass(model, options), options.weights
-    if form == "int4-exact":
+    if form in CODED_FORMS:
         threads = exact_codes.set_kernel_threads(options.kernel_threads)
-        log.info("int4-exact kernels on %d thread(s) (llm.kernel_threads=%d)", threads, options.kernel_threads)
+        log.info("%s kernels on %d thread(s) (llm.kernel_threads=%d)", form, threads, options.kernel_threads)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -206,9 +206,12 @@ def choose_weights(device: str, dtype: str, lean_forward: bool, machine_reason: 
                           "float32 outputs from the stored codes")
 
 
+# The weight forms run by the kernels of pipeline/llm/exact_codes.py (their threads: llm.kernel_threads).
+CODED_FORMS = ("int4-exact", "int4-q8")
 # The weight forms that run only on a CPU, each with the dtype its kernel computes in and why.
 CPU_WEIGHT_FORMS = {
     "int4-exact": ("float32", "computes in float32 on a CPU"),
+    "int4-q8": ("float32", "takes float32 activations on a CPU"),
     "int4": ("bfloat16", "runs torch's CPU int4 kernel on bfloat16 activations"),
 }
 

@@ -18,7 +18,7 @@ class LlmOptions:
     dtype: str = "float32"
     max_new_tokens: int = 96
     torch_threads: int = 0  # 0: torch's default
-    # weights=int4-exact: threads its kernels' loops run on, the calling one included (kernels/pool.h);
+    # weights=int4-exact or int4-q8: threads its kernels' loops run on, the calling one included (kernels/pool.h);
     # 0: one per core this process may run on, at most `exact_codes.MAX_KERNEL_THREADS`; `specvox up`,
     # whose asr and tts share those cores, makes 0 one (services/cli.kernel_threads_beside_other_stages)
     kernel_threads: int = 0
@@ -56,7 +56,10 @@ class LlmOptions:
     # "dense": the weights as loaded, in `dtype`. "int4-exact": kept as the 4- and 8-bit codes a
     # quantized checkpoint (the bundled Q4_1 GGUF) stored them in, dequantized exactly to float32 in
     # the kernel (pipeline/llm/exact_codes.py): float32 outputs, a sixth of the memory traffic; needs
-    # lean_forward, dtype=float32, an x86-64 CPU with AVX2 or AVX-512. "int4": the layers' weights as 4-bit groups of
+    # lean_forward, dtype=float32, an x86-64 CPU with AVX2 or AVX-512. "int4-q8": the same codes, each product's
+    # activations quantized to 8 bits per group of 32 and summed as integers, as llama.cpp does (GGUF's Q8_0):
+    # cheaper rows (verification passes), outputs the form's own, not float32's; the same needs as int4-exact.
+    # "int4": the layers' weights as 4-bit groups of
     # 32 through torch's CPU kernel with bfloat16 activations; needs lean_forward and dtype=bfloat16.
     # "auto": int4-exact where it applies (the outputs are dense float32's either way), else dense;
     # the choice and its reason are logged at load, and `LoadedModel.weights` says which runs.

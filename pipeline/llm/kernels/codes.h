@@ -4,6 +4,9 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "pool.h"
 #include "simd16.h"
@@ -157,14 +160,22 @@ void block_product_halves(const float* x, int64_t K, const uint8_t* records, flo
 // All blocks of 16 output features for `rows` activation rows, shared with the pool's helpers
 // (pool.h; `llm.kernel_threads`) in chunks of blocks: a block is computed whole by one thread, so
 // which thread computes it changes no bit. About 32 chunks a thread keep the shares even and a chunk short.
-// One instantiation per row count (1..kRowsPerSweep) keeps the accumulators in registers.
-template <class Codes, int M = kRowsPerSweep>
-void sweep(int64_t rows, const float* x, int64_t K, const uint8_t* records, float* out, int64_t N) {
-  if constexpr (M > 1) {
-    if (rows < M) return sweep<Codes, M - 1>(rows, x, K, records, out, N);
+// One instantiation per row count (1..kMax) keeps the accumulators in registers: `blocks` is called as
+// blocks(std::integral_constant<int, M>, first block, end block).
+template <int kMax, class Blocks>
+void sweep(int64_t rows, int64_t N, const Blocks& blocks) {
+  if constexpr (kMax > 1) {
+    if (rows < kMax) return sweep<kMax - 1>(rows, N, blocks);
   }
-  const int64_t blocks = N / kLanes;
-  parallel_for(0, blocks, std::max<int64_t>(1, blocks / (32 * Pool::instance().threads())), [&](int64_t b0, int64_t b1) {
+  const int64_t count = N / kLanes;
+  parallel_for(0, count, std::max<int64_t>(1, count / (32 * Pool::instance().threads())),
+               [&](int64_t b0, int64_t b1) { blocks(std::integral_constant<int, kMax>{}, b0, b1); });
+}
+
+template <class Codes>
+void sweep_float_rows(int64_t rows, const float* x, int64_t K, const uint8_t* records, float* out, int64_t N) {
+  sweep<kRowsPerSweep>(rows, N, [&](auto m, int64_t b0, int64_t b1) {
+    constexpr int M = decltype(m)::value;
 #if !SPECVOX_AVX512
     if constexpr (M > 2) {
       for (int64_t b = b0; b < b1; ++b) block_product_halves<Codes, M>(x, K, records, out, N, b);
@@ -181,10 +192,147 @@ inline void product(const float* x, int64_t M, int64_t K, const uint8_t* records
   for (int64_t r0 = 0; r0 < M; r0 += kRowsPerSweep) {
     const int64_t rows = std::min<int64_t>(kRowsPerSweep, M - r0);
     if (int4) {
-      sweep<Int4Codes>(rows, x + r0 * K, K, records, out + r0 * N, N);
+      sweep_float_rows<Int4Codes>(rows, x + r0 * K, K, records, out + r0 * N, N);
     } else {
-      sweep<Int8Codes>(rows, x + r0 * K, K, records, out + r0 * N, N);
+      sweep_float_rows<Int8Codes>(rows, x + r0 * K, K, records, out + r0 * N, N);
     }
+  }
+}
+
+// ---- Products on 8-bit activations (llm.weights=int4-q8) ----
+// The activations are quantized per group of 32 inputs as GGUF's Q8_0 is, a = da · qa with da =
+// max|a| / 127 and qa whole in −127..127 (ties to even), row by row; a group's dot product with the
+// weights' codes is then a sum of integer products, exact, taken 4 at a time by one instruction
+// (VNNI's vpdpbusd; without it two), where the float32 path spends one fused multiply-add a weight.
+// The float32 part is a group's few scalings, lane by lane, in the same order for every row, so
+// rows stay independent of one another, and of the thread count and instruction set.
+// This is llama.cpp's arithmetic for Q4_1 × Q8_0 (ggml's vec_dot), not float32's: outputs are the
+// form's own, which speculative decoding reproduces exactly (each row computed alone).
+
+// x [M, K] quantized per group of 32: codes [M, K], scale [M, K/32], sum of the group's codes [M, K/32]
+struct QuantizedRows {
+  const int8_t* codes;
+  const float* scale;
+  const int32_t* sum;
+  int64_t K;
+  int32_t four(int64_t r, int64_t i) const {  // codes i .. i+3 of row r as one int32 (dot4's operand)
+    int32_t v;
+    std::memcpy(&v, codes + r * K + i, 4);
+    return v;
+  }
+};
+
+inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* codes, float* scale, int32_t* sum) {
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t g = 0; g < K / kGroup; ++g) {
+      const float* in = x + r * K + g * kGroup;
+      int8_t* q = codes + r * K + g * kGroup;
+      const Vec a = simd::loadu(in), b = simd::loadu(in + 16);
+      const float top = std::max(simd::max_abs(a), simd::max_abs(b));
+      const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
+      simd::store_rounded_bytes(q, simd::mul(a, simd::set1(inverse)));
+      simd::store_rounded_bytes(q + 16, simd::mul(b, simd::set1(inverse)));
+      int32_t total = 0;
+      for (int64_t i = 0; i < kGroup; ++i) total += q[i];
+      scale[r * (K / kGroup) + g] = top / 127.0f;
+      sum[r * (K / kGroup) + g] = total;
+    }
+  }
+}
+
+// 4-bit codes in dot-product order: [16 float16 scales][16 float16 lows][4 vectors of 64 bytes], byte
+// 4t+k of vector j holding q[t, 8j+k] | q[t, 8j+4+k] << 4 (inputs 8j..8j+3 low, 8j+4..8j+7 high).
+// w = d·q + m, so a group's dot product is d·da·Σ q·qa + m·da·Σ qa.
+struct Int4DotCodes {
+  static constexpr int64_t kRecord = kInt4Record;
+  const uint8_t* record;
+  Vec scale, low;
+  explicit Int4DotCodes(const uint8_t* r) : record(r), scale(simd::halves(r)), low(simd::halves(r + 32)) {}
+  template <int M>
+  void accumulate(simd::IVec (&isum)[M], const QuantizedRows& a, int64_t r0, int64_t i0) const {
+    for (int64_t j = 0; j < 4; ++j) {
+      simd::IVec low, high;
+      simd::split_nibbles(simd::load_bytes(record + 64 + 64 * j), low, high);
+      for (int r = 0; r < M; ++r) {
+        isum[r] = simd::dot4<true>(isum[r], low, a.four(r0 + r, i0 + 8 * j));
+        isum[r] = simd::dot4<true>(isum[r], high, a.four(r0 + r, i0 + 8 * j + 4));
+      }
+    }
+  }
+  Vec finish(Vec acc, simd::IVec isum, float da, int32_t asum) const {
+    acc = simd::fmadd(simd::to_float(isum), simd::mul(scale, simd::set1(da)), acc);
+    return simd::fmadd(low, simd::set1(da * static_cast<float>(asum)), acc);
+  }
+};
+
+// 8-bit codes in dot-product order: [16 float16 scales][8 vectors of 64 bytes], byte 4t+k of vector j
+// holding q[t, 4j+k] + 128 (unsigned, as vpdpbusd takes them); Σ (q+128)·qa − 128·Σ qa = Σ q·qa.
+struct Int8DotCodes {
+  static constexpr int64_t kRecord = kInt8Record;
+  const uint8_t* record;
+  Vec scale;
+  explicit Int8DotCodes(const uint8_t* r) : record(r), scale(simd::halves(r)) {}
+  template <int M>
+  void accumulate(simd::IVec (&isum)[M], const QuantizedRows& a, int64_t r0, int64_t i0) const {
+    for (int64_t j = 0; j < 8; ++j) {
+      const simd::IVec u = simd::load_bytes(record + 32 + 64 * j);
+      for (int r = 0; r < M; ++r) isum[r] = simd::dot4<false>(isum[r], u, a.four(r0 + r, i0 + 4 * j));
+    }
+  }
+  Vec finish(Vec acc, simd::IVec isum, float da, int32_t asum) const {
+    return simd::fmadd(simd::to_float(simd::isub(isum, 128 * asum)), simd::mul(scale, simd::set1(da)), acc);
+  }
+};
+
+// One block of 16 output features for rows r0 .. r0+M−1 of a: per group, an integer sum per row, then
+// its scaling into the row's float32 accumulator.
+template <class Codes, int M>
+void block_product_q8(const QuantizedRows& a, int64_t r0, const uint8_t* records, float* out, int64_t N, int64_t block) {
+  Vec acc[M];
+  for (int r = 0; r < M; ++r) acc[r] = simd::zero();
+  const int64_t groups = a.K / kGroup;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* record = records + (block * groups + g) * Codes::kRecord;
+    prefetch_record(record, Codes::kRecord);
+    const Codes codes(record);
+    simd::IVec isum[M];
+    for (int r = 0; r < M; ++r) isum[r] = simd::izero();
+    codes.template accumulate<M>(isum, a, r0, g * kGroup);
+    for (int r = 0; r < M; ++r) {
+      const int64_t at = (r0 + r) * groups + g;
+      acc[r] = codes.finish(acc[r], isum[r], a.scale[at], a.sum[at]);
+    }
+  }
+  for (int r = 0; r < M; ++r) simd::storeu(out + (r0 + r) * N + block * kLanes, acc[r]);
+}
+
+// Activation rows sharing one pass over the codes: a row's integer and float accumulators are two
+// registers; AVX2's are two each (16 ymm: fewer rows).
+#if SPECVOX_AVX512
+constexpr int kQ8RowsPerSweep = 12;
+#else
+constexpr int kQ8RowsPerSweep = 3;
+#endif
+
+// out[M, N] = x[M, K] @ W.T on 8-bit activations (x quantized here, row by row); W as dot-order records.
+inline void product_q8(const float* x, int64_t M, int64_t K, const uint8_t* records, float* out, int64_t N, bool int4) {
+  std::vector<int8_t> codes(M * K);
+  std::vector<float> scale(M * (K / kGroup));
+  std::vector<int32_t> sum(M * (K / kGroup));
+  quantize_rows(x, M, K, codes.data(), scale.data(), sum.data());
+  const QuantizedRows a{codes.data(), scale.data(), sum.data(), K};
+  for (int64_t r0 = 0; r0 < M; r0 += kQ8RowsPerSweep) {
+    const int64_t rows = std::min<int64_t>(kQ8RowsPerSweep, M - r0);
+    sweep<kQ8RowsPerSweep>(rows, N, [&](auto m, int64_t b0, int64_t b1) {
+      constexpr int R = decltype(m)::value;
+      for (int64_t b = b0; b < b1; ++b) {
+        if (int4) {
+          block_product_q8<Int4DotCodes, R>(a, r0, records, out, N, b);
+        } else {
+          block_product_q8<Int8DotCodes, R>(a, r0, records, out, N, b);
+        }
+      }
+    });
   }
 }
 

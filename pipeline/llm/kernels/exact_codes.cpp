@@ -1,5 +1,6 @@
 // Float32 products x @ W.T with W held as the 4- or 8-bit codes it was stored in (GGUF's Q4_1
-// and Q8_0), dequantized in registers to exactly the float32 weights. The Python side
+// and Q8_0), dequantized in registers to exactly the float32 weights; and the same products on
+// activations quantized to 8 bits (`*_q8_linear`, llm.weights=int4-q8: codes.h, "8-bit activations"). The Python side
 // (pipeline/llm/exact_codes.py) packs the codes and checks that they reproduce the weights.
 //
 // Layout: the output features go in blocks of 16, one simd::Vec (simd16.h: one AVX-512 register, or
@@ -26,7 +27,8 @@ using specvox::kInt8Record;
 using specvox::kLanes;
 using specvox::kGroup;
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& records, int64_t record_bytes, bool int4) {
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& records, int64_t record_bytes, bool int4,
+                     bool int8_activations) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(),
               "x must be a contiguous 2-d float32 CPU tensor");
   const int64_t M = x.size(0), K = x.size(1), N = records.size(0) * kLanes;
@@ -34,14 +36,34 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& records, int64
               K % kGroup == 0 && records.size(1) == K / kGroup && records.size(2) == record_bytes,
               "the coded weight does not match x's width");
   auto out = torch::empty({M, N}, x.options());
-  specvox::product(x.data_ptr<float>(), M, K, records.data_ptr<uint8_t>(), out.data_ptr<float>(), N, int4);
+  if (int8_activations) {
+    specvox::product_q8(x.data_ptr<float>(), M, K, records.data_ptr<uint8_t>(), out.data_ptr<float>(), N, int4);
+  } else {
+    specvox::product(x.data_ptr<float>(), M, K, records.data_ptr<uint8_t>(), out.data_ptr<float>(), N, int4);
+  }
   return out;
+}
+
+// x [M, K] as the 8-bit activations the int4-q8 products compute on: codes int8 [M, K], scales
+// float32 [M, K/32], sums of each group's codes int32 [M, K/32] (tests check them against torch)
+std::vector<torch::Tensor> quantize_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.size(1) % kGroup == 0,
+              "x must be a contiguous 2-d float32 tensor, its width a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto codes = torch::empty({M, K}, x.options().dtype(torch::kInt8));
+  auto scale = torch::empty({M, K / kGroup}, x.options());
+  auto sum = torch::empty({M, K / kGroup}, x.options().dtype(torch::kInt32));
+  specvox::quantize_rows(x.data_ptr<float>(), M, K, codes.data_ptr<int8_t>(), scale.data_ptr<float>(),
+                         sum.data_ptr<int32_t>());
+  return {codes, scale, sum};
 }
 
 }  // namespace
 
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor records) { return linear(x, records, kInt4Record, true); }
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor records) { return linear(x, records, kInt8Record, false); }
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor records) { return linear(x, records, kInt4Record, true, false); }
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor records) { return linear(x, records, kInt8Record, false, false); }
+torch::Tensor int4_q8_linear(torch::Tensor x, torch::Tensor records) { return linear(x, records, kInt4Record, true, true); }
+torch::Tensor int8_q8_linear(torch::Tensor x, torch::Tensor records) { return linear(x, records, kInt8Record, false, true); }
 
 void register_lean_step(pybind11::module& m);  // lean_step.cpp
 
@@ -52,6 +74,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ W.T, W as records of 4-bit codes, a float16 scale and low per 32");
   m.def("int8_linear", &int8_linear, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "x @ W.T, W as records of 8-bit codes, a float16 scale per 32");
+  m.def("int4_q8_linear", &int4_q8_linear, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "x @ W.T on x quantized to 8 bits per 32, W as dot-order records of 4-bit codes (llm.weights=int4-q8)");
+  m.def("int8_q8_linear", &int8_q8_linear, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "x @ W.T on x quantized to 8 bits per 32, W as dot-order records of 8-bit codes (llm.weights=int4-q8)");
+  m.def("quantize_rows", &quantize_rows, "x as the int4-q8 products' 8-bit activations: codes, scales, sums");
   m.def("set_threads", [](int threads) { return specvox::Pool::instance().set_threads(threads); },
         "threads for the kernels' loops, the caller's included (1: the caller alone); the count in force");
   m.def("threads", [] { return specvox::Pool::instance().threads(); }, "threads the kernels' loops run on");

@@ -9,7 +9,8 @@
 // attends, slot by slot in the cache's order, to exactly the slots it may see. So a row of a
 // verification pass is bit for bit what a one-token pass computes for that token, and a batch
 // row (its holes skipped) what that request computes alone: speculative decoding stays equal
-// to plain decoding (pipeline/llm/lean_llama.py). Float32 throughout.
+// to plain decoding (pipeline/llm/lean_llama.py). Float32 throughout, but for the products'
+// activations where the weights' records are int4-q8's (8 bits per group of 32, codes.h).
 //
 // The KV cache is pipeline/llm/kv_cache.py's: keys and values [layers, B, H_kv, capacity, D];
 // this pass writes its rows' keys and values at slots start .. start + T - 1.
@@ -116,10 +117,12 @@ class LeanStep {
  public:
   LeanStep(std::vector<torch::Tensor> input_norms, std::vector<torch::Tensor> qkv, std::vector<torch::Tensor> o,
            std::vector<torch::Tensor> post_norms, std::vector<torch::Tensor> gate_up,
-           std::vector<torch::Tensor> down, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps)
+           std::vector<torch::Tensor> down, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
+           bool int8_activations)
       : input_norms_(std::move(input_norms)), qkv_(std::move(qkv)), o_(std::move(o)),
         post_norms_(std::move(post_norms)), gate_up_(std::move(gate_up)), down_(std::move(down)),
-        heads_(heads), kv_heads_(kv_heads), D_(head_dim), eps_(static_cast<float>(eps)) {
+        heads_(heads), kv_heads_(kv_heads), D_(head_dim), eps_(static_cast<float>(eps)),
+        int8_activations_(int8_activations) {
     layers_ = static_cast<int64_t>(qkv_.size());
     TORCH_CHECK(layers_ > 0 && input_norms_.size() == qkv_.size() && o_.size() == qkv_.size() &&
                 post_norms_.size() == qkv_.size() && gate_up_.size() == qkv_.size() && down_.size() == qkv_.size(),
@@ -191,7 +194,7 @@ class LeanStep {
     for (int64_t l = 0; l < layers_; ++l) {
       for (int64_t n = 0; n < N; ++n) rms_norm(xs + n * E_, input_norms_[l].data_ptr<float>(), h.data() + n * E_, E_, eps_);
       timer.lap(kElementwise);
-      specvox::product(h.data(), N, E_, bytes(qkv_[l]), qkv.data(), QKV_, true);
+      product(h.data(), N, E_, qkv_[l], qkv.data(), QKV_);
       timer.lap(kProducts);
       for (int64_t n = 0; n < N; ++n) {
         float* row = qkv.data() + n * QKV_;
@@ -221,12 +224,12 @@ class LeanStep {
         }
       });
       timer.lap(kAttention);
-      specvox::product(attended.data(), N, E_, bytes(o_[l]), delta.data(), E_, true);
+      product(attended.data(), N, E_, o_[l], delta.data(), E_);
       timer.lap(kProducts);
       for (int64_t i = 0; i < N * E_; ++i) xs[i] += delta[i];
       for (int64_t n = 0; n < N; ++n) rms_norm(xs + n * E_, post_norms_[l].data_ptr<float>(), h.data() + n * E_, E_, eps_);
       timer.lap(kElementwise);
-      specvox::product(h.data(), N, E_, bytes(gate_up_[l]), gu.data(), 2 * I_, true);
+      product(h.data(), N, E_, gate_up_[l], gu.data(), 2 * I_);
       timer.lap(kProducts);
       for (int64_t n = 0; n < N; ++n) {
         const float* gate = gu.data() + n * 2 * I_;
@@ -239,7 +242,7 @@ class LeanStep {
         }
       }
       timer.lap(kElementwise);
-      specvox::product(act.data(), N, I_, bytes(down_[l]), delta.data(), E_, true);
+      product(act.data(), N, I_, down_[l], delta.data(), E_);
       timer.lap(kProducts);
       for (int64_t i = 0; i < N * E_; ++i) xs[i] += delta[i];
       timer.lap(kElementwise);
@@ -248,6 +251,15 @@ class LeanStep {
   }
 
  private:
+  // a layer matrix's product: float32 activations (int4-exact) or 8-bit ones (int4-q8; codes.h)
+  void product(const float* x, int64_t rows, int64_t K, const torch::Tensor& records, float* out, int64_t N) const {
+    if (int8_activations_) {
+      specvox::product_q8(x, rows, K, bytes(records), out, N, true);
+    } else {
+      specvox::product(x, rows, K, bytes(records), out, N, true);
+    }
+  }
+
   static void check_records(const torch::Tensor& r, int64_t out, int64_t in) {
     TORCH_CHECK(r.scalar_type() == torch::kUInt8 && r.is_contiguous() && r.dim() == 3 &&
                 r.size(0) * specvox::kLanes == out && r.size(1) * specvox::kGroup == in &&
@@ -257,6 +269,7 @@ class LeanStep {
   std::vector<torch::Tensor> input_norms_, qkv_, o_, post_norms_, gate_up_, down_;
   int64_t heads_, kv_heads_, D_, layers_ = 0, E_ = 0, QKV_ = 0, I_ = 0;
   float eps_;
+  bool int8_activations_;
 };
 
 }  // namespace
@@ -265,7 +278,7 @@ void register_lean_step(pybind11::module& m) {
   pybind11::class_<LeanStep>(m, "LeanStep")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>,
                           std::vector<torch::Tensor>, std::vector<torch::Tensor>, std::vector<torch::Tensor>, int64_t,
-                          int64_t, int64_t, double>())
+                          int64_t, int64_t, double, bool>())
       .def("forward", &LeanStep::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "a decoding pass through every layer (see lean_step.cpp)");
 }
