@@ -78,3 +78,17 @@ def test_bad_requests_raise_clear_errors(loaded, generator):
     too_long = tuple([1] * loaded.context_tokens)
     with pytest.raises(PromptTooLongError, match="context window"):
         list(generator.steps(GenerationRequest(too_long, 8)))
+
+
+def test_the_warm_up_leaves_no_drafting_measurement_behind(loaded):
+    """The warm-up's passes are the process's first of each size, cold: the cost of a verified token,
+    the guards' verdicts and the match statistics start from their priors after it, as they would
+    without it, instead of from what cold passes measured."""
+    generator = Generator(loaded)
+    generator.warm_up(drafters=("none", "ngram", "suffix"))
+    assert generator.verify_cost.per_token == generator.verify_cost.prior
+    assert generator.verify_cost.seconds(1) is None  # no pass remembered at all
+    assert not generator.guards and not generator._match_acceptance and not generator._draft_costs
+    # and a request afterwards measures again
+    list(generator.steps(GenerationRequest(prompt_ids(loaded, PROMPTS["caption"][0]), 16, "suffix")))
+    assert generator.verify_cost.seconds(1) is not None and "suffix" in generator.guards

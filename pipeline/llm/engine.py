@@ -219,15 +219,19 @@ class Generator:
         self._quantized: LeanLlama | None = None
         self._memories: OrderedDict[str, SuffixDrafter] = OrderedDict()
         self.last_stats = GenerationStats()
-        # Learned across requests: what a verified token costs here, how often matches hold.
+        self._forget_drafting_measurements()
+        self.costs = CostMeter()  # what prefills and steps take here, for the latency budget
+        self.prefix_cache = PrefixCache(0 if static_cache else prefix_cache_sessions, prefix_cache_mb << 20)
+        self.draft_heads: dict[str, TrainedHead] = {}  # trained heads for this target by kind (`from_options`)
+
+    def _forget_drafting_measurements(self) -> None:
+        """What is learned across requests, from nothing: what a verified token costs here, how often
+        matches hold, what a drafter costs and whether it pays, which tree branches pay."""
         self.verify_cost = VerifyCost()
         self._match_acceptance: dict[tuple[str, int], MatchAcceptance] = {}
         self._draft_costs: dict[str, DraftCost] = {}  # a model drafter's c and α, across requests
         self.guards: dict[str, DraftGuard] = {}  # per drafter: drafting on or off, from measured costs
         self._branch_worth: dict[str, BranchWorth] = {}  # per model-free drafter: which tree branches pay
-        self.costs = CostMeter()  # what prefills and steps take here, for the latency budget
-        self.prefix_cache = PrefixCache(0 if static_cache else prefix_cache_sessions, prefix_cache_mb << 20)
-        self.draft_heads: dict[str, TrainedHead] = {}  # trained heads for this target by kind (`from_options`)
 
     @classmethod
     def from_options(cls, loaded: LoadedModel, options: LlmOptions) -> Generator:
@@ -274,13 +278,18 @@ class Generator:
 
     def warm_up(self, new_tokens: int = 4, drafters: tuple[str, ...] = ("none",)) -> None:
         """A short generation with each drafter, so the first request does not pay for lazy
-        initialisation (the `quantized` drafter builds its 4-bit copy of the target here)."""
+        initialisation (the `quantized` drafter builds its 4-bit copy of the target here).
+
+        Its passes are the process's first of each size, cold, so what they measured is forgotten:
+        they once left a verified token's cost b at 0.38 of a step where steady passes measure
+        0.08-0.11 (int4-q8, 2026-12-05), and the first requests drafted little or not at all."""
         prompt = tuple(self.loaded.tokenizer.encode("Hello"))  # type: ignore[attr-defined]
         if isinstance(self.forward, LeanLlama) and any(d != "none" for d in drafters):
             self.forward.record_graphs(GenerationRequest.max_draft_tokens + 1)  # CUDA: verification passes
         for drafter in drafters:
             for _ in self.steps(GenerationRequest(prompt, new_tokens, drafter)):
                 pass
+        self._forget_drafting_measurements()
 
     @torch.inference_mode()
     def steps(
