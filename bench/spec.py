@@ -25,10 +25,12 @@ over, as they do in the service.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,8 +193,9 @@ class LlamaCpp:
     def __init__(self, gguf: str, threads: int, context_tokens: int) -> None:
         from llama_cpp import Llama
 
-        self.llm = Llama(model_path=gguf, n_ctx=context_tokens, n_threads=threads, n_threads_batch=threads,
-                         verbose=False)
+        with _without_amx_buffers():
+            self.llm = Llama(model_path=gguf, n_ctx=context_tokens, n_threads=threads, n_threads_batch=threads,
+                             verbose=False)
 
     @classmethod
     def for_target(cls, model: str, context_tokens: int) -> LlamaCpp | None:
@@ -218,6 +221,34 @@ class LlamaCpp:
             if len(out) >= max_new:
                 break
         return out
+
+
+@contextlib.contextmanager
+def _without_amx_buffers() -> Iterator[None]:
+    """On a CPU that reports AMX, llama.cpp loads with no extra buffer types. llama-cpp-python 0.3.36,
+    built with GGML_NATIVE on an Intel Xeon reporting amx_int8 (2026-12-05), put the Q4_1 matrices in
+    ggml's AMX buffer type, whose product crashed the process (SIGSEGV in ggml_backend_amx_mul_mat) on
+    every pass of two tokens or more. Extra buffer types only repack weights for kernels of their own
+    (AMX, or Q4_0's 8×8 layout); without them llama.cpp runs its AVX-512/AVX2 vec_dot kernels on the
+    file's blocks, as on any CPU without AMX."""
+    from llama_cpp import llama_cpp  # the bindings module, whose defaults `Llama` reads
+
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if "amx_int8" not in flags:
+        yield
+        return
+    default = llama_cpp.llama_model_default_params
+
+    def without_extra_buffers():  # noqa: ANN202 - llama_cpp's ctypes struct
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    llama_cpp.llama_model_default_params = without_extra_buffers
+    try:
+        yield
+    finally:
+        llama_cpp.llama_model_default_params = default
 
 
 def print_table(rows: list[dict]) -> None:
