@@ -279,7 +279,7 @@ def test_the_pool_times_both_ways_and_either_gives_the_same_bits(coded, kernel_t
     after = kernels.pool_counts()
     assert after["shared_loops"] - before["shared_loops"] >= 512
     assert after["solo_loops"] - before["solo_loops"] >= 512
-    assert after["shared_items_per_s"] > 0 and after["solo_items_per_s"] > 0
+    assert after["shared_work_per_s"] > 0 and after["solo_work_per_s"] > 0
 
 
 @needs_kernel

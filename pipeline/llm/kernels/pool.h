@@ -79,9 +79,10 @@ class Pool {
 
   // f(b, e) over [begin, end) in chunks of `chunk` (the last may be shorter), on the caller and
   // the helpers. A loop posted while another runs (another caller, or a nested one) runs on its
-  // caller alone.
+  // caller alone. `work`: what the loop does, in any unit its kind shares with the other loops (a
+  // product's rows × inputs × blocks); 0: its item count. The chooser compares work a second.
   template <class F>
-  void run(int64_t begin, int64_t end, int64_t chunk, const F& f) {
+  void run(int64_t begin, int64_t end, int64_t chunk, const F& f, double work = 0.0) {
     chunk = std::max<int64_t>(chunk, 1);
     if (end - begin <= chunk || helpers_.load(std::memory_order_relaxed) == 0 ||
         busy_.exchange(true, std::memory_order_acquire)) {
@@ -95,7 +96,7 @@ class Pool {
     } else {
       f(begin, end);
     }
-    chooser_.timed(end - begin, Clock::now() - started);
+    chooser_.timed(work > 0.0 ? work : static_cast<double>(end - begin), Clock::now() - started);
     busy_.store(false, std::memory_order_release);
   }
 
@@ -122,29 +123,35 @@ class Pool {
   static constexpr auto kSpin = std::chrono::microseconds(200);  // a helper's wait before it sleeps
   using Clock = std::chrono::steady_clock;
 
-  // Shared or alone, whichever did more items a second of loop time in its latest epoch. A
-  // decoding step repeats the same loops, so an epoch of either way holds the same mix of them.
+  // Shared or alone, whichever did more work a second of loop time in its latest epoch. Work, not
+  // items: speculative decoding mixes one-token steps with passes of several rows (and a draft
+  // head's small products), whose items, blocks of 16 features, cost several times as much, so an
+  // epoch of either way holds another mix, and by items a second sharing lost to whichever way
+  // happened to time more one-row loops (2026-12-05: a verified row cost 0.27 of a step in the
+  // engine against 0.135 timed alone).
   struct Chooser {
     static constexpr int64_t kEpochLoops = 512;  // about four one-token steps of the bundled target
     // epochs the faster way keeps before the other is timed again: 8, doubled each time the other
     // loses again (up to 128: about 500 steps), back to 8 when it wins
     static constexpr int64_t kFirstKeep = 8, kLastKeep = 128;
     bool sharing = true;
-    int64_t epoch_loops = 0, epoch_items = 0, epochs_kept = 0, keep = kFirstKeep;
+    int64_t epoch_loops = 0, epochs_kept = 0, keep = kFirstKeep;
+    double epoch_work = 0.0;
     bool probing = false;  // this epoch times the way that lost
     Clock::duration epoch_time{};
     std::atomic<int64_t> loops[2] = {0, 0};          // [alone, shared]
     std::atomic<double> rate[2] = {0.0, 0.0};
 
     bool shared() const { return sharing; }
-    void timed(int64_t items, Clock::duration took) {
+    void timed(double work, Clock::duration took) {
       loops[sharing].fetch_add(1, std::memory_order_relaxed);
-      epoch_items += items;
+      epoch_work += work;
       epoch_time += took;
       if (++epoch_loops < kEpochLoops) return;
       const double seconds = std::chrono::duration<double>(epoch_time).count();
-      rate[sharing].store(seconds > 0 ? epoch_items / seconds : 0.0, std::memory_order_relaxed);
-      epoch_loops = epoch_items = 0;
+      rate[sharing].store(seconds > 0 ? epoch_work / seconds : 0.0, std::memory_order_relaxed);
+      epoch_loops = 0;
+      epoch_work = 0.0;
       epoch_time = Clock::duration::zero();
       const double mine = rate[sharing].load(), other = rate[!sharing].load();
       if (other == 0.0) {  // the first epochs: time each way once
@@ -167,7 +174,8 @@ class Pool {
       sharing = true;
       probing = false;
       keep = kFirstKeep;
-      epoch_loops = epoch_items = epochs_kept = 0;
+      epoch_loops = epochs_kept = 0;
+      epoch_work = 0.0;
       epoch_time = Clock::duration::zero();
       rate[0] = rate[1] = 0.0;
     }
@@ -293,10 +301,10 @@ class Pool {
   std::atomic<bool> busy_{false}, caller_asleep_{false};
 };
 
-// at::parallel_for's shape, on the pool: f(b, e) over [begin, end) in chunks of `grain`.
+// at::parallel_for's shape, on the pool: f(b, e) over [begin, end) in chunks of `grain`; `work` as in run().
 template <class F>
-inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
-  Pool::instance().run(begin, end, grain, f);
+inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f, double work = 0.0) {
+  Pool::instance().run(begin, end, grain, f, work);
 }
 
 }  // namespace specvox
