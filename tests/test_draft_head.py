@@ -14,6 +14,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F  # noqa: N812
 
 from bench.prompts import load_prompts
 from pipeline.llm.batch import BatchedDecoder
@@ -169,6 +170,34 @@ def test_greedy_with_the_shipped_head_is_plain_decoding(loaded, shipped, text):
     assert stats.drafted_tokens > 0 and stats.accepted_draft_tokens > 0  # it drafted, and was right at times
     assert stats.mean_accepted_len > 1.0
     assert run(shipped, prompt, "eagle") == plain  # with the draft length and the guard adapting
+
+
+def test_beside_a_coded_target_the_head_drafts_through_its_kernels(loaded, shipped):
+    """Beside an int4-exact (or int4-q8) target the EAGLE head runs as Q8_0 codes through the target's
+    kernels (`CodedEagle`): on the target's real features its outputs are the float head's up to that
+    rounding, and it picks the same draft token nearly everywhere. Beside a dense target it stays float."""
+    trained = shipped.draft_heads["eagle"]
+    if loaded.lean is None or loaded.lean.step is None:
+        pytest.skip("the target is not coded on this machine")
+    coded = trained.coded
+    assert coded is not None
+    prompt = encode(loaded, PROMPTS["dialogue"][0])
+    with torch.inference_mode():
+        hidden = loaded.lean(input_ids=torch.tensor([prompt]), logits_to_keep=0).hidden
+        features = trained.normed(hidden[:, :-1])
+        embeds = trained.embed[torch.tensor(prompt[1:])][None]
+        n = features.shape[1]
+        cos, sin = rotary(torch.arange(n), trained.head.shape.head_dim, trained.head.shape.rope_theta, torch.float32)
+        exact, _, _ = trained.head.block(features, embeds, cos, sin)
+        cache = _KvCache(trained.head.shape.kv_heads, trained.head.shape.head_dim, features[0])
+        rounded = coded.block(features, embeds, 0, cache)
+        similar = F.cosine_similarity(rounded[0], exact[0], dim=-1)
+        same = [int(coded.logits(rounded[0, i]).argmax()) == int((exact[0, i] @ trained.readout.T).argmax())
+                for i in range(n)]
+    assert rounded.shape == exact.shape and similar.min() > 0.99, similar.min()
+    assert sum(same) >= 0.9 * n, f"{sum(same)} of {n} positions draft the same token"
+    options = LlmOptions(dtype="float32", weights="dense")
+    assert Generator.from_options(load_model(options), options).draft_heads["eagle"].coded is None
 
 
 def test_greedy_with_the_head_in_a_batch_is_plain_decoding(loaded, shipped):

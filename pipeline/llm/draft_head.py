@@ -267,6 +267,15 @@ class TrainedHead:
         self.final_norm = target.model.norm.weight.detach()
         self.eps = float(target.config.rms_norm_eps)
         self.vocab_size = int(self.embed.shape[0])
+        self.coded: CodedEagle | None = None  # set by `run_on`: the head through the target's kernels
+
+    def run_on(self, lean: Any) -> bool:
+        """Draft through the kernels of the target's lean pass `lean` where it has them (an EAGLE head
+        beside a coded target: `CodedEagle`); whether it does."""
+        head = self.head
+        if isinstance(head, EagleHead) and CodedEagle.applies(lean):
+            self.coded = CodedEagle(head, self.readout, lean)
+        return self.coded is not None
 
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's final norm of its last layer's output: the feature f the head reads."""
@@ -328,25 +337,90 @@ def find_heads(model: str, target: Any, heads_dir: str | Path = "") -> dict[str,
 
 
 class _KvCache:
-    """The EAGLE head's keys and values [1, KV, S, hd], preallocated; rollback moves `length`."""
+    """The EAGLE head's keys and values [1 layer, 1, KV, S, hd] (the fused pass's layout, `CodedEagle`),
+    preallocated; rollback moves `length`."""
 
     def __init__(self, kv_heads: int, head_dim: int, like: torch.Tensor) -> None:
-        self.keys = like.new_zeros(1, kv_heads, CACHE_CHUNK, head_dim)
+        self.keys = like.new_zeros(1, 1, kv_heads, CACHE_CHUNK, head_dim)
         self.values = torch.zeros_like(self.keys)
         self.length = 0
 
     def past(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return (self.keys[:, :, : self.length], self.values[:, :, : self.length]) if self.length else None
+        """[1, KV, length, hd] each, or None while empty."""
+        return (self.keys[0, :, :, : self.length], self.values[0, :, :, : self.length]) if self.length else None
+
+    def reserve(self, slots: int) -> None:
+        if slots > self.keys.shape[3]:
+            grow = -(-(slots - self.keys.shape[3]) // CACHE_CHUNK) * CACHE_CHUNK
+            pad = self.keys.new_zeros(*self.keys.shape[:3], grow, self.keys.shape[4])
+            self.keys, self.values = torch.cat((self.keys, pad), 3), torch.cat((self.values, pad.clone()), 3)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         end = self.length + k.shape[2]
-        if end > self.keys.shape[2]:
-            grow = -(-(end - self.keys.shape[2]) // CACHE_CHUNK) * CACHE_CHUNK
-            pad = self.keys.new_zeros(1, self.keys.shape[1], grow, self.keys.shape[3])
-            self.keys, self.values = torch.cat((self.keys, pad), 2), torch.cat((self.values, pad.clone()), 2)
-        self.keys[:, :, self.length : end] = k
-        self.values[:, :, self.length : end] = v
+        self.reserve(end)
+        self.keys[0, :, :, self.length : end] = k
+        self.values[0, :, :, self.length : end] = v
         self.length = end
+
+
+class CodedEagle:
+    """An EAGLE head run through the target's kernels (`exact_codes`; a target in `llm.weights=int4-exact`
+    or `int4-q8`): its matrices rounded to GGUF's Q8_0 grid, its decoder layer one fused C++ pass
+    (`kernels/lean_step.cpp`, one layer of 8-bit records) and W' the target's own 8-bit output rows.
+
+    In float32 torch operations a draft token read the head's 31 MB of weights and W' and ran ~40
+    operations, about a third of what a target step costs here; as codes it reads a quarter of the
+    bytes in a handful of calls. Q8_0's rounding changes the head's predictions a little, never the
+    output: verification decides every token, and a sampled draft's q is what this head computed.
+    """
+
+    def __init__(self, head: EagleHead, readout: torch.Tensor, lean: Any) -> None:
+        from pipeline.llm import exact_codes
+
+        s = head.shape
+        q8 = bool(getattr(lean.linear, "int8_activations", False))
+        self.lean, self.shape = lean, s
+        self.kernels = exact_codes.kernels()
+
+        def records(weight: torch.Tensor) -> torch.Tensor:
+            return exact_codes.int8_records(*exact_codes.q8_0_codes(weight.detach()), int8_activations=q8).records
+
+        self.fc, self.fc_bias = records(head.fc.weight), head.fc.bias.detach().float()
+        self.step = self.kernels.LeanStep(
+            [head.attn_norm.detach().float().contiguous()], [records(head.qkv.weight)], [records(head.o.weight)],
+            [head.mlp_norm.detach().float().contiguous()], [records(head.gate_up.weight)], [records(head.down.weight)],
+            s.heads, s.kv_heads, s.head_dim, s.eps, q8)
+        self.out_norm = head.out_norm.detach().float()
+        rows = readout.shape[0]
+        padded = torch.cat((readout, readout.new_zeros(-rows % exact_codes.LANES, readout.shape[1])))  # 16 a block
+        packed = exact_codes.pack_int8(padded.float().contiguous(), q8)
+        if packed is None:  # W' is not Q8_0 codes (a target stored otherwise): rounded to them
+            packed = exact_codes.int8_records(*exact_codes.q8_0_codes(padded), int8_activations=q8)
+        self.readout, self.rows = packed.records, rows
+        self._product = self.kernels.int8_q8_linear if q8 else self.kernels.int8_linear
+
+    @classmethod
+    def applies(cls, lean: Any) -> bool:
+        """Whether `lean` (the target's `LeanLlama`, or None) runs the kernels a coded head needs."""
+        return lean is not None and getattr(lean, "step", None) is not None
+
+    def block(self, features: torch.Tensor, embeds: torch.Tensor, first: int, cache: _KvCache) -> torch.Tensor:
+        """EagleHead.block over features and embeds [1, T, D] at positions first..., its keys and values
+        written after the cache's `length` live slots (which the caller then advances); g [1, T, D]."""
+        t = features.shape[1]
+        x = torch.cat((features, embeds), dim=-1)[0].float().contiguous()
+        x = self._product(x, self.fc)
+        x += self.fc_bias
+        cache.reserve(cache.length + t)
+        self.lean._grow_rotary_table(first + t)
+        positions = torch.arange(first, first + t)[None]
+        x = self.step.forward(x, cache.keys, cache.values, cache.length, self.lean._cos, self.lean._sin, positions,
+                              None, None)
+        return rms_norm(x, self.out_norm, self.shape.eps)[None]
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        """W' g for g [D]: the head's logits over the draft vocabulary [V']."""
+        return self._product(g[None].float().contiguous(), self.readout)[0, : self.rows]
 
 
 class HeadDrafter:
@@ -428,7 +502,7 @@ class HeadDrafter:
         siblings: list[tuple[float, tuple[int, ...]]] = []  # (path probability, path) of the tree's other nodes
         chain_p = 1.0  # the head's probability of the chain so far
         for i in range(k):
-            logits = g[0, 0] @ trained.readout.T
+            logits = trained.coded.logits(g[0, 0]) if trained.coded is not None else g[0, 0] @ trained.readout.T
             token, q = self._choose(logits, len(context) + i)
             if self.branches and self.sampling.greedy:
                 chain_p = self._siblings(logits, tuple(tokens), chain_p, siblings)
@@ -456,6 +530,11 @@ class HeadDrafter:
     def _block(self, head: EagleHead, features: torch.Tensor, embeds: torch.Tensor, first: int) -> torch.Tensor:
         cache = self._cache
         assert cache is not None
+        coded = self.trained.coded
+        if coded is not None:
+            g = coded.block(features, embeds, first, cache)
+            cache.length += features.shape[1]
+            return g
         positions = torch.arange(first, first + features.shape[1], device=features.device)
         cos, sin = rotary(positions, head.shape.head_dim, head.shape.rope_theta, features.dtype)
         g, k, v = head.block(features, embeds, cos, sin, cache.past())

@@ -240,6 +240,8 @@ class Generator:
                         prefix_cache_sessions=options.prefix_cache_sessions, prefix_cache_mb=options.prefix_cache_mb)
         if isinstance(generator.forward, LeanLlama) and options.draft_heads != "off":  # they read its features
             generator.draft_heads = find_heads(options.model, loaded.model, options.draft_heads)
+            for head in generator.draft_heads.values():
+                head.run_on(generator.forward)  # through the target's kernels where it has them
         return generator
 
     @property

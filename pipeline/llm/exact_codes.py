@@ -356,15 +356,33 @@ def pack_int8(weight: torch.Tensor, int8_activations: bool = False) -> CodedWeig
     q = (groups / scale[..., None].clamp(min=torch.finfo(torch.float32).tiny)).round()
     if not (_exact(q, scale[..., None]) and torch.equal(q * scale[..., None], groups)):
         return None
+    return int8_records(q.reshape(out, width), scale, int8_activations)
+
+
+def int8_records(q: torch.Tensor, scale: torch.Tensor, int8_activations: bool = False) -> CodedWeight:
+    """The kernel's records of a matrix given as its 8-bit codes q [out, in] (whole numbers in
+    −127..127) and a float16-valued scale per group of 32 [out, in/32]: the matrix q·scale."""
+    out, width = q.shape
     if int8_activations:
         # [block, t, group, j, k] -> [block, group, j, t, k]: byte 4t+k of vector j holds input 4j+k
         shifted = (q.to(torch.int16) + 128).to(torch.uint8)
         codes = shifted.reshape(out // LANES, LANES, width // INT4_GROUP, 8, 4).permute(0, 2, 3, 1, 4)
     else:
-        codes = _by_blocks(q.reshape(out, width).to(torch.int8)).view(torch.uint8)
+        codes = _by_blocks(q.to(torch.int8)).view(torch.uint8)
     codes = codes.reshape(out // LANES, width // INT4_GROUP, INT4_GROUP * LANES)
     return CodedWeight(torch.cat((_halves(scale), codes), dim=-1).contiguous(), bits=8,
                        int8_activations=int8_activations)
+
+
+def q8_0_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float matrix [out, in] rounded to GGUF's Q8_0 grid: (codes [out, in], float16-valued
+    scales [out, in/32]), the scale of a group its largest magnitude / 127 in float16, the codes
+    the nearest multiples of it. For weights that were not stored as codes (a draft head's)."""
+    out, width = weight.shape
+    groups = weight.float().reshape(out, width // INT4_GROUP, INT4_GROUP)
+    scale = (groups.abs().amax(-1) / 127).half().float()
+    q = (groups / scale[..., None].clamp(min=torch.finfo(torch.float16).tiny)).round().clamp(-127, 127)
+    return q.reshape(out, width), scale
 
 
 class ExactCodesLinear:

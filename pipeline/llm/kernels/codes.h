@@ -162,19 +162,21 @@ void block_product_halves(const float* x, int64_t K, const uint8_t* records, flo
 // which thread computes it changes no bit. About 32 chunks a thread keep the shares even and a chunk short.
 // One instantiation per row count (1..kMax) keeps the accumulators in registers: `blocks` is called as
 // blocks(std::integral_constant<int, M>, first block, end block).
+// The pool's chooser weighs a sweep by its rows × inputs × blocks (`K`: the inputs a row).
 template <int kMax, class Blocks>
-void sweep(int64_t rows, int64_t N, const Blocks& blocks) {
+void sweep(int64_t rows, int64_t N, int64_t K, const Blocks& blocks) {
   if constexpr (kMax > 1) {
-    if (rows < kMax) return sweep<kMax - 1>(rows, N, blocks);
+    if (rows < kMax) return sweep<kMax - 1>(rows, N, K, blocks);
   }
   const int64_t count = N / kLanes;
   parallel_for(0, count, std::max<int64_t>(1, count / (32 * Pool::instance().threads())),
-               [&](int64_t b0, int64_t b1) { blocks(std::integral_constant<int, kMax>{}, b0, b1); });
+               [&](int64_t b0, int64_t b1) { blocks(std::integral_constant<int, kMax>{}, b0, b1); },
+               static_cast<double>(rows) * static_cast<double>(K) * static_cast<double>(count));
 }
 
 template <class Codes>
 void sweep_float_rows(int64_t rows, const float* x, int64_t K, const uint8_t* records, float* out, int64_t N) {
-  sweep<kRowsPerSweep>(rows, N, [&](auto m, int64_t b0, int64_t b1) {
+  sweep<kRowsPerSweep>(rows, N, K, [&](auto m, int64_t b0, int64_t b1) {
     constexpr int M = decltype(m)::value;
 #if !SPECVOX_AVX512
     if constexpr (M > 2) {
@@ -323,7 +325,7 @@ inline void product_q8(const float* x, int64_t M, int64_t K, const uint8_t* reco
   const QuantizedRows a{codes.data(), scale.data(), sum.data(), K};
   for (int64_t r0 = 0; r0 < M; r0 += kQ8RowsPerSweep) {
     const int64_t rows = std::min<int64_t>(kQ8RowsPerSweep, M - r0);
-    sweep<kQ8RowsPerSweep>(rows, N, [&](auto m, int64_t b0, int64_t b1) {
+    sweep<kQ8RowsPerSweep>(rows, N, K, [&](auto m, int64_t b0, int64_t b1) {
       constexpr int R = decltype(m)::value;
       for (int64_t b = b0; b < b1; ++b) {
         if (int4) {

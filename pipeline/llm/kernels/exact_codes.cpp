@@ -85,7 +85,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pool_counts", [] {
     const auto c = specvox::Pool::instance().counts();
     return pybind11::dict(pybind11::arg("shared_loops") = c.shared_loops, pybind11::arg("solo_loops") = c.solo_loops,
-                          pybind11::arg("shared_items_per_s") = c.shared_rate, pybind11::arg("solo_items_per_s") = c.solo_rate);
-  }, "loops run shared and alone since the process started, and each way's latest rate (kernels/pool.h)");
+                          pybind11::arg("shared_work_per_s") = c.shared_rate, pybind11::arg("solo_work_per_s") = c.solo_rate);
+  }, "loops run shared and alone since the process started, and each way's latest work a second (kernels/pool.h)");
   register_lean_step(m);
 }

@@ -180,6 +180,8 @@ class LeanStep {
         for (int64_t s = 0; s <= start + t; ++s) seen[n].push_back(s);
       }
     }
+    int64_t visible_slots = 0;  // over all rows: what attention reads
+    for (const auto& slots : seen) visible_slots += static_cast<int64_t>(slots.size());
     double* seconds = nullptr;
     if (timings) {
       TORCH_CHECK(timings->scalar_type() == torch::kDouble && timings->numel() >= kParts, "timings: float64 [4]");
@@ -214,6 +216,7 @@ class LeanStep {
         }
       }
       timer.lap(kCache);
+      // weighed for the pool's chooser as the products are: rows × the inputs a row reads (D a slot)
       specvox::parallel_for(0, N * heads_, 2, [&](int64_t i0, int64_t i1) {
         thread_local std::vector<float> scores;
         for (int64_t i = i0; i < i1; ++i) {
@@ -222,7 +225,7 @@ class LeanStep {
           attend(qkv.data() + n * QKV_ + hd * D_, layer_keys + base, layer_values + base, seen[n].data(),
                  static_cast<int64_t>(seen[n].size()), D_, attended.data() + n * E_ + hd * D_, scores);
         }
-      });
+      }, static_cast<double>(visible_slots) * static_cast<double>(heads_ * D_));
       timer.lap(kAttention);
       product(attended.data(), N, E_, o_[l], delta.data(), E_);
       timer.lap(kProducts);
@@ -251,19 +254,22 @@ class LeanStep {
   }
 
  private:
-  // a layer matrix's product: float32 activations (int4-exact) or 8-bit ones (int4-q8; codes.h)
+  // a layer matrix's product: float32 activations (int4-exact) or 8-bit ones (int4-q8; codes.h), on its
+  // 4-bit records (a target's layers) or 8-bit ones (a draft head's layer, draft_head.CodedEagle)
   void product(const float* x, int64_t rows, int64_t K, const torch::Tensor& records, float* out, int64_t N) const {
+    const bool int4 = records.size(2) == specvox::kInt4Record;
     if (int8_activations_) {
-      specvox::product_q8(x, rows, K, bytes(records), out, N, true);
+      specvox::product_q8(x, rows, K, bytes(records), out, N, int4);
     } else {
-      specvox::product(x, rows, K, bytes(records), out, N, true);
+      specvox::product(x, rows, K, bytes(records), out, N, int4);
     }
   }
 
   static void check_records(const torch::Tensor& r, int64_t out, int64_t in) {
     TORCH_CHECK(r.scalar_type() == torch::kUInt8 && r.is_contiguous() && r.dim() == 3 &&
                 r.size(0) * specvox::kLanes == out && r.size(1) * specvox::kGroup == in &&
-                r.size(2) == specvox::kInt4Record, "a layer matrix that is not 4-bit records of its shape");
+                (r.size(2) == specvox::kInt4Record || r.size(2) == specvox::kInt8Record),
+                "a layer matrix that is not 4- or 8-bit records of its shape");
   }
 
   std::vector<torch::Tensor> input_norms_, qkv_, o_, post_norms_, gate_up_, down_;
