@@ -9,6 +9,7 @@ import torch
 
 from bench.prompts import load_prompts
 from pipeline.llm.engine import GenerationRequest, Generator
+from pipeline.llm.lean_llama import LeanLlama
 from pipeline.llm.model import load_model
 from pipeline.llm.options import LlmOptions
 from pipeline.llm.prompts import PromptTooLongError, Task, chat_messages, encode_chat
@@ -92,3 +93,27 @@ def test_the_warm_up_leaves_no_drafting_measurement_behind(loaded):
     # and a request afterwards measures again
     list(generator.steps(GenerationRequest(prompt_ids(loaded, PROMPTS["caption"][0]), 16, "suffix")))
     assert generator.verify_cost.seconds(1) is not None and "suffix" in generator.guards
+
+
+def test_a_coded_targets_steps_keep_torchs_operations_on_one_thread(loaded, monkeypatch):
+    """The passes of a coded target run in the kernels' own threads; torch's operations around them
+    stay on one thread during a step (their OpenMP threads would spin on the kernels' cores), and
+    torch's thread count is back as it was between steps and after the reply."""
+    if loaded.lean is None or loaded.lean.step is None:
+        pytest.skip("the target is not coded on this machine")
+    generator = Generator(loaded)
+    before = torch.get_num_threads()
+    seen: list[tuple[int, int]] = []  # (tokens in the pass, torch threads during it)
+    call = LeanLlama.__call__
+
+    def counting(self, *args, **kwargs):
+        seen.append((kwargs["input_ids"].shape[1], torch.get_num_threads()))
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(LeanLlama, "__call__", counting)
+    prompt = prompt_ids(loaded, PROMPTS["dialogue"][0])
+    for _ in generator.steps(GenerationRequest(prompt, 12, "suffix")):
+        assert torch.get_num_threads() == before  # between steps, as the caller left it
+    assert torch.get_num_threads() == before
+    assert seen[0] == (len(prompt) - 1, before)  # the prompt's prefill keeps torch's threads
+    assert len(seen) > 1 and all(threads == 1 for _, threads in seen[1:])
