@@ -171,7 +171,7 @@ void sweep(int64_t rows, int64_t N, int64_t K, const Blocks& blocks) {
   const int64_t count = N / kLanes;
   parallel_for(0, count, std::max<int64_t>(1, count / (32 * Pool::instance().threads())),
                [&](int64_t b0, int64_t b1) { blocks(std::integral_constant<int, kMax>{}, b0, b1); },
-               static_cast<double>(rows) * static_cast<double>(K) * static_cast<double>(count));
+               static_cast<double>(rows) * static_cast<double>(K) * static_cast<double>(count), Pool::product_kind(rows));
 }
 
 template <class Codes>
@@ -224,22 +224,28 @@ struct QuantizedRows {
   }
 };
 
-inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* codes, float* scale, int32_t* sum) {
-  for (int64_t r = 0; r < M; ++r) {
-    for (int64_t g = 0; g < K / kGroup; ++g) {
-      const float* in = x + r * K + g * kGroup;
-      int8_t* q = codes + r * K + g * kGroup;
-      const Vec a = simd::loadu(in), b = simd::loadu(in + 16);
-      const float top = std::max(simd::max_abs(a), simd::max_abs(b));
-      const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
-      simd::store_rounded_bytes(q, simd::mul(a, simd::set1(inverse)));
-      simd::store_rounded_bytes(q + 16, simd::mul(b, simd::set1(inverse)));
-      int32_t total = 0;
-      for (int64_t i = 0; i < kGroup; ++i) total += q[i];
-      scale[r * (K / kGroup) + g] = top / 127.0f;
-      sum[r * (K / kGroup) + g] = total;
-    }
+// Row r of x [M, K] quantized group by group into codes, scale and sum (QuantizedRows' arrays).
+inline void quantize_row(const float* x, int64_t r, int64_t K, int8_t* codes, float* scale, int32_t* sum) {
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    const float* in = x + r * K + g * kGroup;
+    int8_t* q = codes + r * K + g * kGroup;
+    const Vec a = simd::loadu(in), b = simd::loadu(in + 16);
+    const float top = std::max(simd::max_abs(a), simd::max_abs(b));
+    const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
+    simd::store_rounded_bytes(q, simd::mul(a, simd::set1(inverse)));
+    simd::store_rounded_bytes(q + 16, simd::mul(b, simd::set1(inverse)));
+    int32_t total = 0;
+    for (int64_t i = 0; i < kGroup; ++i) total += q[i];
+    scale[r * (K / kGroup) + g] = top / 127.0f;
+    sum[r * (K / kGroup) + g] = total;
   }
+}
+
+// Rows shared with the pool's helpers where there are several (a prompt's); each row is quantized alone.
+inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* codes, float* scale, int32_t* sum) {
+  parallel_for(0, M, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) quantize_row(x, r, K, codes, scale, sum);
+  }, static_cast<double>(M) * static_cast<double>(K), Pool::kOther);
 }
 
 // 4-bit codes in dot-product order: [16 float16 scales][16 float16 lows][4 vectors of 64 bytes], byte
@@ -316,26 +322,39 @@ constexpr int kQ8RowsPerSweep = 12;
 constexpr int kQ8RowsPerSweep = 3;
 #endif
 
+// Rows r0 .. r0+rows−1 (rows ≤ kQ8RowsPerSweep) of one block: the instantiation for that row count.
+template <class Codes, int M = kQ8RowsPerSweep>
+void block_rows_q8(const QuantizedRows& a, int64_t r0, int64_t rows, const uint8_t* records, float* out, int64_t N,
+                   int64_t block) {
+  if constexpr (M > 1) {
+    if (rows < M) return block_rows_q8<Codes, M - 1>(a, r0, rows, records, out, N, block);
+  }
+  block_product_q8<Codes, M>(a, r0, records, out, N, block);
+}
+
 // out[M, N] = x[M, K] @ W.T on 8-bit activations (x quantized here, row by row); W as dot-order records.
+// A block's sweeps of kQ8RowsPerSweep rows follow one another while its records are in the core's
+// cache: a prompt's rows read the codes from memory once, not once a sweep (76 rows: 7 sweeps, the
+// codes read 7 times, were bound by memory). Each row is computed as in any other call.
 inline void product_q8(const float* x, int64_t M, int64_t K, const uint8_t* records, float* out, int64_t N, bool int4) {
   std::vector<int8_t> codes(M * K);
   std::vector<float> scale(M * (K / kGroup));
   std::vector<int32_t> sum(M * (K / kGroup));
   quantize_rows(x, M, K, codes.data(), scale.data(), sum.data());
   const QuantizedRows a{codes.data(), scale.data(), sum.data(), K};
-  for (int64_t r0 = 0; r0 < M; r0 += kQ8RowsPerSweep) {
-    const int64_t rows = std::min<int64_t>(kQ8RowsPerSweep, M - r0);
-    sweep<kQ8RowsPerSweep>(rows, N, K, [&](auto m, int64_t b0, int64_t b1) {
-      constexpr int R = decltype(m)::value;
-      for (int64_t b = b0; b < b1; ++b) {
+  const int64_t blocks = N / kLanes;
+  parallel_for(0, blocks, std::max<int64_t>(1, blocks / (32 * Pool::instance().threads())), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t r0 = 0; r0 < M; r0 += kQ8RowsPerSweep) {
+        const int64_t rows = std::min<int64_t>(kQ8RowsPerSweep, M - r0);
         if (int4) {
-          block_product_q8<Int4DotCodes, R>(a, r0, records, out, N, b);
+          block_rows_q8<Int4DotCodes>(a, r0, rows, records, out, N, b);
         } else {
-          block_product_q8<Int8DotCodes, R>(a, r0, records, out, N, b);
+          block_rows_q8<Int8DotCodes>(a, r0, rows, records, out, N, b);
         }
       }
-    });
-  }
+    }
+  }, static_cast<double>(M) * static_cast<double>(K) * static_cast<double>(blocks), Pool::product_kind(M));
 }
 
 }  // namespace specvox

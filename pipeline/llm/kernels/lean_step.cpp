@@ -225,7 +225,7 @@ class LeanStep {
           attend(qkv.data() + n * QKV_ + hd * D_, layer_keys + base, layer_values + base, seen[n].data(),
                  static_cast<int64_t>(seen[n].size()), D_, attended.data() + n * E_ + hd * D_, scores);
         }
-      }, static_cast<double>(visible_slots) * static_cast<double>(heads_ * D_));
+      }, static_cast<double>(visible_slots) * static_cast<double>(heads_ * D_), specvox::Pool::kAttention);
       timer.lap(kAttention);
       product(attended.data(), N, E_, o_[l], delta.data(), E_);
       timer.lap(kProducts);

@@ -71,7 +71,7 @@ class Pool {
       alive_.fetch_add(1, std::memory_order_acq_rel);
       std::thread([this, i] { serve(i); }).detach();
     }
-    chooser_.reset();
+    for (Chooser& chooser : choosers_) chooser.reset();
     busy_.store(false, std::memory_order_release);
 #endif
     return threads();
@@ -79,36 +79,56 @@ class Pool {
 
   // f(b, e) over [begin, end) in chunks of `chunk` (the last may be shorter), on the caller and
   // the helpers. A loop posted while another runs (another caller, or a nested one) runs on its
-  // caller alone. `work`: what the loop does, in any unit its kind shares with the other loops (a
-  // product's rows × inputs × blocks); 0: its item count. The chooser compares work a second.
+  // caller alone. `kind`: the loop's class (kinds(): one-row products, products of several rows,
+  // attention, ...), each timed by a chooser of its own; `work`: what the loop does, in a unit its
+  // kind shares (a product's rows × inputs × blocks); 0: its item count.
   template <class F>
-  void run(int64_t begin, int64_t end, int64_t chunk, const F& f, double work = 0.0) {
+  void run(int64_t begin, int64_t end, int64_t chunk, const F& f, double work = 0.0, int kind = 0) {
     chunk = std::max<int64_t>(chunk, 1);
     if (end - begin <= chunk || helpers_.load(std::memory_order_relaxed) == 0 ||
         busy_.exchange(true, std::memory_order_acquire)) {
       f(begin, end);
       return;
     }
-    const bool shared = chooser_.shared();
+    Chooser& chooser = choosers_[std::clamp(kind, 0, kKinds - 1)];
+    const bool shared = chooser.shared();
     const auto started = Clock::now();
     if (shared) {
       post(begin, end, chunk, [](const void* context, int64_t b, int64_t e) { (*static_cast<const F*>(context))(b, e); }, &f);
     } else {
       f(begin, end);
     }
-    chooser_.timed(work > 0.0 ? work : static_cast<double>(end - begin), Clock::now() - started);
+    chooser.timed(work > 0.0 ? work : static_cast<double>(end - begin), Clock::now() - started);
+    last_kind_.store(static_cast<int>(&chooser - choosers_), std::memory_order_relaxed);
     busy_.store(false, std::memory_order_release);
   }
 
-  // Loops run shared and on the caller alone since the pool started, and the latest epoch's items a
-  // second each way (0: not timed yet).
+  // Loops run shared and on the caller alone since the pool started (all kinds), and the latest
+  // epoch's work a second each way of the kind timed last (0: not timed yet).
   struct Counts {
     int64_t shared_loops, solo_loops;
     double shared_rate, solo_rate;
   };
   Counts counts() const {
-    return {chooser_.loops[1].load(), chooser_.loops[0].load(), chooser_.rate[1].load(), chooser_.rate[0].load()};
+    Counts c{0, 0, 0.0, 0.0};
+    for (const Chooser& chooser : choosers_) {
+      c.shared_loops += chooser.loops[1].load();
+      c.solo_loops += chooser.loops[0].load();
+    }
+    const Chooser& last = choosers_[last_kind_.load(std::memory_order_relaxed)];
+    c.shared_rate = last.rate[1].load();
+    c.solo_rate = last.rate[0].load();
+    return c;
   }
+
+  // Loop kinds with a chooser each: whether sharing pays depends on the loop (a one-row product is
+  // bound by memory, one of several rows by arithmetic), and an epoch that mixed kinds compared
+  // mixes. Measured 2026-12-05: with one chooser for all, epochs of one-row loops shared against
+  // epochs of 12-row loops alone left every loop alone, a prompt's products at 0.69 ms a row on 2
+  // threads against 0.73 on one.
+  static constexpr int kKinds = 6;
+  static int product_kind(int64_t rows) { return rows <= 1 ? 0 : rows <= 4 ? 1 : rows <= 12 ? 2 : 3; }
+  static constexpr int kAttention = 4, kOther = 5;
 
  private:
   // A loop's description, written before the cursor names its generation; slots turn over so that
@@ -123,12 +143,9 @@ class Pool {
   static constexpr auto kSpin = std::chrono::microseconds(200);  // a helper's wait before it sleeps
   using Clock = std::chrono::steady_clock;
 
-  // Shared or alone, whichever did more work a second of loop time in its latest epoch. Work, not
-  // items: speculative decoding mixes one-token steps with passes of several rows (and a draft
-  // head's small products), whose items, blocks of 16 features, cost several times as much, so an
-  // epoch of either way holds another mix, and by items a second sharing lost to whichever way
-  // happened to time more one-row loops (2026-12-05: a verified row cost 0.27 of a step in the
-  // engine against 0.135 timed alone).
+  // Shared or alone, whichever did more work a second of loop time in its latest epoch, for one
+  // kind of loop (kinds above): speculative decoding mixes one-token steps with passes of several
+  // rows and a draft head's small products, whose costs differ, so each kind is timed apart.
   struct Chooser {
     static constexpr int64_t kEpochLoops = 512;  // about four one-token steps of the bundled target
     // epochs the faster way keeps before the other is timed again: 8, doubled each time the other
@@ -292,8 +309,9 @@ class Pool {
 #endif
 
   Loop loops_[kSlots];
-  uint32_t generation_ = 0;                   // the caller's (under busy_), as is chooser_'s state
-  Chooser chooser_;
+  uint32_t generation_ = 0;                   // the caller's (under busy_), as is the choosers' state
+  Chooser choosers_[kKinds];
+  std::atomic<int> last_kind_{0};
   std::atomic<uint64_t> cursor_{0};           // generation << 32 | next unclaimed offset
   std::atomic<uint32_t> done_{0};             // items finished in the current loop
   std::atomic<uint32_t> epoch_{0};            // futex word the helpers sleep on
@@ -301,10 +319,12 @@ class Pool {
   std::atomic<bool> busy_{false}, caller_asleep_{false};
 };
 
-// at::parallel_for's shape, on the pool: f(b, e) over [begin, end) in chunks of `grain`; `work` as in run().
+// at::parallel_for's shape, on the pool: f(b, e) over [begin, end) in chunks of `grain`; `work` and
+// `kind` as in run().
 template <class F>
-inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f, double work = 0.0) {
-  Pool::instance().run(begin, end, grain, f, work);
+inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f, double work = 0.0,
+                         int kind = Pool::kOther) {
+  Pool::instance().run(begin, end, grain, f, work, kind);
 }
 
 }  // namespace specvox
