@@ -38,7 +38,7 @@ import torch
 
 from bench.prompts import load_prompts
 from pipeline.llm.engine import GenerationRequest, Generator
-from pipeline.llm.exact_codes import kernel_threads
+from pipeline.llm.exact_codes import _cpu_flags, kernel_threads
 from pipeline.llm.model import load_model
 from pipeline.llm.options import LlmOptions
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
@@ -233,8 +233,7 @@ def _without_amx_buffers() -> Iterator[None]:
     file's blocks, as on any CPU without AMX."""
     from llama_cpp import llama_cpp  # the bindings module, whose defaults `Llama` reads
 
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if "amx_int8" not in flags:
+    if "amx_int8" not in _cpu_flags():
         yield
         return
     default = llama_cpp.llama_model_default_params

@@ -108,10 +108,6 @@ def test_products_on_helper_threads_are_the_same_bits(coded_q8, threads):
         kernels.set_threads(before)
 
 
-def _flags() -> set[str]:
-    return exact_codes._cpu_flags()
-
-
 # Builds of the kernel for an instruction set below this CPU's: the integer sums are exact and the
 # float32 part works lane by lane, so each gives the same bits as the native build.
 LOWER_BUILDS = {
@@ -123,7 +119,7 @@ LOWER_BUILDS = {
 @needs_kernel
 @pytest.mark.parametrize("build", LOWER_BUILDS)
 def test_a_build_for_a_lower_instruction_set_computes_the_same_bits(coded_q8, build):
-    flags = _flags()
+    flags = exact_codes._cpu_flags()
     if build == "avx2" and "avx512f" not in flags:
         pytest.skip("this CPU builds the AVX2 kernel natively")
     if build == "no-vnni" and not ({"avx512_vnni", "avx_vnni"} & flags):

@@ -393,10 +393,8 @@ class CodedEagle:
         self.out_norm = head.out_norm.detach().float()
         rows = readout.shape[0]
         padded = torch.cat((readout, readout.new_zeros(-rows % exact_codes.LANES, readout.shape[1])))  # 16 a block
-        packed = exact_codes.pack_int8(padded.float().contiguous(), q8)
-        if packed is None:  # W' is not Q8_0 codes (a target stored otherwise): rounded to them
-            packed = exact_codes.int8_records(*exact_codes.q8_0_codes(padded), int8_activations=q8)
-        self.readout, self.rows = packed.records, rows
+        # the target's own codes where W' is Q8_0 (the bundled GGUF's: its codes round to themselves)
+        self.readout, self.rows = records(padded), rows
         self._product = self.kernels.int8_q8_linear if q8 else self.kernels.int8_linear
 
     @classmethod

@@ -350,13 +350,12 @@ def pack_int8(weight: torch.Tensor, int8_activations: bool = False) -> CodedWeig
     them (`kernels/codes.h`, `Int8DotCodes`)."""
     if not _coded_shape_ok(weight):
         return None
-    out, width = weight.shape
-    groups = weight.reshape(out, width // INT4_GROUP, INT4_GROUP)
-    scale = groups.abs().amax(-1) / 127
-    q = (groups / scale[..., None].clamp(min=torch.finfo(torch.float32).tiny)).round()
-    if not (_exact(q, scale[..., None]) and torch.equal(q * scale[..., None], groups)):
+    q, scale = q8_0_codes(weight)
+    grouped = q.reshape(*scale.shape, INT4_GROUP)
+    if not (_exact(grouped, scale[..., None]) and torch.equal(grouped * scale[..., None],
+                                                                weight.reshape(*scale.shape, INT4_GROUP))):
         return None
-    return int8_records(q.reshape(out, width), scale, int8_activations)
+    return int8_records(q, scale, int8_activations)
 
 
 def int8_records(q: torch.Tensor, scale: torch.Tensor, int8_activations: bool = False) -> CodedWeight:
@@ -381,7 +380,7 @@ def q8_0_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out, width = weight.shape
     groups = weight.float().reshape(out, width // INT4_GROUP, INT4_GROUP)
     scale = (groups.abs().amax(-1) / 127).half().float()
-    q = (groups / scale[..., None].clamp(min=torch.finfo(torch.float16).tiny)).round().clamp(-127, 127)
+    q = (groups / scale[..., None].clamp(min=torch.finfo(torch.float32).tiny)).round().clamp(-127, 127)
     return q.reshape(out, width), scale
 
 

@@ -54,6 +54,8 @@ from pipeline.llm.weight_kernels import (
 
 ROPE_TABLE_STEP = 1024  # positions added to the rotary table at a time
 WEIGHT_FORMS = ("dense", "int4-exact", "int4-q8", "int4")  # llm.weights
+# the forms run by the kernels of pipeline/llm/exact_codes.py (their threads: llm.kernel_threads)
+CODED_FORMS = ("int4-exact", "int4-q8")
 # A pass of up to this many tokens a row decodes or verifies; a longer one is a prompt's prefill,
 # which runs batched attention and dense products (the fastest there, whatever the weights' form).
 DECODE_MAX_TOKENS = 32
@@ -171,7 +173,7 @@ class LeanLlama:
         if weights == "int4":
             Int4Linear.check(self.embed)
             return Int4Linear(layer_weights)  # the output projection stays dense (8-bit in the GGUF)
-        if weights in ("int4-exact", "int4-q8"):
+        if weights in CODED_FORMS:
             return ExactCodesLinear(layer_weights, self.lm_head, int8_activations=weights == "int4-q8")
         if packed and PackedLinear.applies(self.embed):
             return PackedLinear([*layer_weights, self.lm_head])

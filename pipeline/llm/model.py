@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from pipeline.llm import exact_codes, gguf_cache
-from pipeline.llm.lean_llama import WEIGHT_FORMS, LeanLlama
+from pipeline.llm.lean_llama import CODED_FORMS, WEIGHT_FORMS, LeanLlama
 from pipeline.llm.lean_llama import supports as lean_supports
 from pipeline.llm.options import LlmOptions
 from pipeline.llm.weight_kernels import INT4_GROUP, Int4Linear
@@ -206,8 +206,6 @@ def choose_weights(device: str, dtype: str, lean_forward: bool, machine_reason: 
                           "float32 outputs from the stored codes")
 
 
-# The weight forms run by the kernels of pipeline/llm/exact_codes.py (their threads: llm.kernel_threads).
-CODED_FORMS = ("int4-exact", "int4-q8")
 # The weight forms that run only on a CPU, each with the dtype its kernel computes in and why.
 CPU_WEIGHT_FORMS = {
     "int4-exact": ("float32", "computes in float32 on a CPU"),

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "pool.h"
@@ -160,24 +159,15 @@ void block_product_halves(const float* x, int64_t K, const uint8_t* records, flo
 // All blocks of 16 output features for `rows` activation rows, shared with the pool's helpers
 // (pool.h; `llm.kernel_threads`) in chunks of blocks: a block is computed whole by one thread, so
 // which thread computes it changes no bit. About 32 chunks a thread keep the shares even and a chunk short.
-// One instantiation per row count (1..kMax) keeps the accumulators in registers: `blocks` is called as
-// blocks(std::integral_constant<int, M>, first block, end block).
-// The pool's chooser weighs a sweep by its rows × inputs × blocks (`K`: the inputs a row).
-template <int kMax, class Blocks>
-void sweep(int64_t rows, int64_t N, int64_t K, const Blocks& blocks) {
-  if constexpr (kMax > 1) {
-    if (rows < kMax) return sweep<kMax - 1>(rows, N, K, blocks);
+// One instantiation per row count (1..kRowsPerSweep) keeps the accumulators in registers. The pool's
+// chooser weighs a sweep by its rows × inputs × blocks.
+template <class Codes, int M = kRowsPerSweep>
+void sweep(int64_t rows, const float* x, int64_t K, const uint8_t* records, float* out, int64_t N) {
+  if constexpr (M > 1) {
+    if (rows < M) return sweep<Codes, M - 1>(rows, x, K, records, out, N);
   }
-  const int64_t count = N / kLanes;
-  parallel_for(0, count, std::max<int64_t>(1, count / (32 * Pool::instance().threads())),
-               [&](int64_t b0, int64_t b1) { blocks(std::integral_constant<int, kMax>{}, b0, b1); },
-               static_cast<double>(rows) * static_cast<double>(K) * static_cast<double>(count), Pool::product_kind(rows));
-}
-
-template <class Codes>
-void sweep_float_rows(int64_t rows, const float* x, int64_t K, const uint8_t* records, float* out, int64_t N) {
-  sweep<kRowsPerSweep>(rows, N, K, [&](auto m, int64_t b0, int64_t b1) {
-    constexpr int M = decltype(m)::value;
+  const int64_t blocks = N / kLanes;
+  parallel_for(0, blocks, std::max<int64_t>(1, blocks / (32 * Pool::instance().threads())), [&](int64_t b0, int64_t b1) {
 #if !SPECVOX_AVX512
     if constexpr (M > 2) {
       for (int64_t b = b0; b < b1; ++b) block_product_halves<Codes, M>(x, K, records, out, N, b);
@@ -185,7 +175,7 @@ void sweep_float_rows(int64_t rows, const float* x, int64_t K, const uint8_t* re
     }
 #endif
     for (int64_t b = b0; b < b1; ++b) block_product<Codes, M>(x, K, records, out, N, b);
-  });
+  }, static_cast<double>(M) * static_cast<double>(K) * static_cast<double>(blocks), Pool::product_kind(M));
 }
 
 // out[M, N] = x[M, K] @ W.T, W as records; rows in sweeps of kRowsPerSweep (each row's sums in
@@ -194,9 +184,9 @@ inline void product(const float* x, int64_t M, int64_t K, const uint8_t* records
   for (int64_t r0 = 0; r0 < M; r0 += kRowsPerSweep) {
     const int64_t rows = std::min<int64_t>(kRowsPerSweep, M - r0);
     if (int4) {
-      sweep_float_rows<Int4Codes>(rows, x + r0 * K, K, records, out + r0 * N, N);
+      sweep<Int4Codes>(rows, x + r0 * K, K, records, out + r0 * N, N);
     } else {
-      sweep_float_rows<Int8Codes>(rows, x + r0 * K, K, records, out + r0 * N, N);
+      sweep<Int8Codes>(rows, x + r0 * K, K, records, out + r0 * N, N);
     }
   }
 }
