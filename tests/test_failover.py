@@ -11,6 +11,7 @@ One kill of each kind; the counts over many faults are `specvox bench faults`'s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -75,14 +76,25 @@ async def holder(redis, stage: str) -> tuple[str, str]:
         await asyncio.sleep(0.02)
 
 
-async def kill_mid_turn(redis, stage: str, log: Path, under_way) -> dict:
-    """SIGKILL the worker holding the stage's next turn once `under_way(turn)` says it is half done."""
+async def signal_mid_turn(redis, stage: str, log: Path, under_way, sig: signal.Signals = signal.SIGKILL) -> dict:
+    """Send `sig` to the worker holding the stage's next turn once `under_way(turn)` says it is half done.
+
+    The holder is frozen (SIGSTOP) while `under_way` reads the turn's logs and until the signal is
+    sent: on a busy machine this test's own polls can lag the worker by seconds, and a turn seen
+    half done could otherwise be over by the time the signal lands (CI once drained a reply at its
+    end). Frozen, it writes nothing between the look and the signal."""
     consumer, turn = await holder(redis, stage)
-    while not await under_way(turn):
-        await asyncio.sleep(0.01)
     pid, _ = worker_pids(log)[consumer]
-    os.kill(pid, signal.SIGKILL)
-    return {"consumer": consumer, "turn": turn, "pid": pid, "unix_ms": int(time.time() * 1000)}
+    while True:
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            if await under_way(turn):
+                os.kill(pid, sig)
+                return {"consumer": consumer, "turn": turn, "pid": pid, "unix_ms": int(time.time() * 1000)}
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # killed and reaped already
+                os.kill(pid, signal.SIGCONT)
+        await asyncio.sleep(0.01)
 
 
 async def talk(addresses, speech, text: str, config: dict = CONFIG) -> list:
@@ -120,7 +132,7 @@ async def test_an_llm_worker_killed_mid_reply_the_other_finishes_it_token_for_to
             assert not (entries and entries[-1].end), "the reply ended before the kill: make it longer"
             return len(entries) >= 3
 
-        killer = asyncio.create_task(kill_mid_turn(redis, "llm", workers["log"], three_steps_in))
+        killer = asyncio.create_task(signal_mid_turn(redis, "llm", workers["log"], three_steps_in))
         turns = await talk(workers, speech, STORY)
         killed = await killer
         turn = next(t for t in turns if t.turn_id == killed["turn"])
@@ -144,7 +156,7 @@ async def test_a_tts_worker_killed_mid_reply_the_client_hears_each_phrase_once(w
             assert not any(e.kind == "end" for e in entries), "the speech ended before the kill"
             return any(e.kind == "audio" for e in entries)
 
-        killer = asyncio.create_task(kill_mid_turn(redis, "tts", workers["log"], first_audio_out))
+        killer = asyncio.create_task(signal_mid_turn(redis, "tts", workers["log"], first_audio_out))
         turns = await talk(workers, speech, STORY)
         killed = await killer
         turn = next(t for t in turns if t.turn_id == killed["turn"])
@@ -201,15 +213,7 @@ async def test_a_worker_drained_by_sigterm_hands_its_turn_back_and_the_reply_com
             assert not (entries and entries[-1].end), "the reply ended before the drain: make it longer"
             return len(entries) >= 2
 
-        async def drain_holder() -> dict:
-            consumer, turn = await holder(redis, "llm")
-            while not await two_steps_in(turn):
-                await asyncio.sleep(0.01)
-            pid, _ = worker_pids(workers["log"])[consumer]
-            os.kill(pid, signal.SIGTERM)
-            return {"consumer": consumer, "turn": turn}
-
-        drainer = asyncio.create_task(drain_holder())
+        drainer = asyncio.create_task(signal_mid_turn(redis, "llm", workers["log"], two_steps_in, signal.SIGTERM))
         turns = await talk(workers, speech, STORY, DRAINED_CONFIG)
         drained = await drainer
         turn = next(t for t in turns if t.turn_id == drained["turn"])
