@@ -206,6 +206,7 @@ struct QuantizedRows {
   const int8_t* codes;
   const float* scale;
   const int32_t* sum;
+  const float* scaled_sum;  // scale · sum, the 4-bit codes' low term's factor (rounded as Int4DotCodes::finish did)
   int64_t K;
   int32_t four(int64_t r, int64_t i) const {  // codes i .. i+3 of row r as one int32 (dot4's operand)
     int32_t v;
@@ -215,7 +216,8 @@ struct QuantizedRows {
 };
 
 // Row r of x [M, K] quantized group by group into codes, scale and sum (QuantizedRows' arrays).
-inline void quantize_row(const float* x, int64_t r, int64_t K, int8_t* codes, float* scale, int32_t* sum) {
+inline void quantize_row(const float* x, int64_t r, int64_t K, int8_t* codes, float* scale, int32_t* sum,
+                         float* scaled_sum = nullptr) {
   for (int64_t g = 0; g < K / kGroup; ++g) {
     const float* in = x + r * K + g * kGroup;
     int8_t* q = codes + r * K + g * kGroup;
@@ -226,18 +228,26 @@ inline void quantize_row(const float* x, int64_t r, int64_t K, int8_t* codes, fl
     simd::store_rounded_bytes(q + 16, simd::mul(b, simd::set1(inverse)));
     int32_t total = 0;
     for (int64_t i = 0; i < kGroup; ++i) total += q[i];
-    scale[r * (K / kGroup) + g] = top / 127.0f;
+    const float da = top / 127.0f;
+    scale[r * (K / kGroup) + g] = da;
     sum[r * (K / kGroup) + g] = total;
+    if (scaled_sum != nullptr) scaled_sum[r * (K / kGroup) + g] = da * static_cast<float>(total);
   }
 }
 
 // Rows shared with the pool's helpers where there are several (a prompt's); each row is quantized alone.
-inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* codes, float* scale, int32_t* sum) {
+inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* codes, float* scale, int32_t* sum,
+                          float* scaled_sum = nullptr) {
   parallel_for(0, M, 4, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) quantize_row(x, r, K, codes, scale, sum);
+    for (int64_t r = r0; r < r1; ++r) quantize_row(x, r, K, codes, scale, sum, scaled_sum);
   }, static_cast<double>(M) * static_cast<double>(K), Pool::kOther);
 }
 
+// Both record kinds unroll their loop over a group's vectors: rolled, GCC copied every row's integer
+// sum from one register to another each round. With that and the low term's scale · sum taken from
+// the quantized rows (not a conversion, a product and a broadcast a row and group), a 3072×576 product
+// on 74 rows ran at 192 GMAC/s on one core, against 140 (Intel Xeon, AVX-512 VNNI, 2026-12-05); the
+// same bits.
 // 4-bit codes in dot-product order: [16 float16 scales][16 float16 lows][4 vectors of 64 bytes], byte
 // 4t+k of vector j holding q[t, 8j+k] | q[t, 8j+4+k] << 4 (inputs 8j..8j+3 low, 8j+4..8j+7 high).
 // w = d·q + m, so a group's dot product is d·da·Σ q·qa + m·da·Σ qa.
@@ -248,6 +258,7 @@ struct Int4DotCodes {
   explicit Int4DotCodes(const uint8_t* r) : record(r), scale(simd::halves(r)), low(simd::halves(r + 32)) {}
   template <int M>
   void accumulate(simd::IVec (&isum)[M], const QuantizedRows& a, int64_t r0, int64_t i0) const {
+#pragma GCC unroll 4
     for (int64_t j = 0; j < 4; ++j) {
       simd::IVec low, high;
       simd::split_nibbles(simd::load_bytes(record + 64 + 64 * j), low, high);
@@ -257,9 +268,9 @@ struct Int4DotCodes {
       }
     }
   }
-  Vec finish(Vec acc, simd::IVec isum, float da, int32_t asum) const {
-    acc = simd::fmadd(simd::to_float(isum), simd::mul(scale, simd::set1(da)), acc);
-    return simd::fmadd(low, simd::set1(da * static_cast<float>(asum)), acc);
+  Vec finish(Vec acc, simd::IVec isum, const QuantizedRows& a, int64_t at) const {
+    acc = simd::fmadd(simd::to_float(isum), simd::mul(scale, simd::set1(a.scale[at])), acc);
+    return simd::fmadd(low, simd::set1(a.scaled_sum[at]), acc);
   }
 };
 
@@ -272,13 +283,14 @@ struct Int8DotCodes {
   explicit Int8DotCodes(const uint8_t* r) : record(r), scale(simd::halves(r)) {}
   template <int M>
   void accumulate(simd::IVec (&isum)[M], const QuantizedRows& a, int64_t r0, int64_t i0) const {
+#pragma GCC unroll 8
     for (int64_t j = 0; j < 8; ++j) {
       const simd::IVec u = simd::load_bytes(record + 32 + 64 * j);
       for (int r = 0; r < M; ++r) isum[r] = simd::dot4<false>(isum[r], u, a.four(r0 + r, i0 + 4 * j));
     }
   }
-  Vec finish(Vec acc, simd::IVec isum, float da, int32_t asum) const {
-    return simd::fmadd(simd::to_float(simd::isub(isum, 128 * asum)), simd::mul(scale, simd::set1(da)), acc);
+  Vec finish(Vec acc, simd::IVec isum, const QuantizedRows& a, int64_t at) const {
+    return simd::fmadd(simd::to_float(simd::isub(isum, 128 * a.sum[at])), simd::mul(scale, simd::set1(a.scale[at])), acc);
   }
 };
 
@@ -298,7 +310,7 @@ void block_product_q8(const QuantizedRows& a, int64_t r0, const uint8_t* records
     codes.template accumulate<M>(isum, a, r0, g * kGroup);
     for (int r = 0; r < M; ++r) {
       const int64_t at = (r0 + r) * groups + g;
-      acc[r] = codes.finish(acc[r], isum[r], a.scale[at], a.sum[at]);
+      acc[r] = codes.finish(acc[r], isum[r], a, at);
     }
   }
   for (int r = 0; r < M; ++r) simd::storeu(out + (r0 + r) * N + block * kLanes, acc[r]);
@@ -330,8 +342,9 @@ inline void product_q8(const float* x, int64_t M, int64_t K, const uint8_t* reco
   std::vector<int8_t> codes(M * K);
   std::vector<float> scale(M * (K / kGroup));
   std::vector<int32_t> sum(M * (K / kGroup));
-  quantize_rows(x, M, K, codes.data(), scale.data(), sum.data());
-  const QuantizedRows a{codes.data(), scale.data(), sum.data(), K};
+  std::vector<float> scaled_sum(M * (K / kGroup));
+  quantize_rows(x, M, K, codes.data(), scale.data(), sum.data(), scaled_sum.data());
+  const QuantizedRows a{codes.data(), scale.data(), sum.data(), scaled_sum.data(), K};
   const int64_t blocks = N / kLanes;
   parallel_for(0, blocks, std::max<int64_t>(1, blocks / (32 * Pool::instance().threads())), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
