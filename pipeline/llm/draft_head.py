@@ -41,7 +41,7 @@ from torch import nn
 
 from pipeline.llm.drafters import EMPTY, Draft
 from pipeline.llm.options import SamplingOptions
-from pipeline.llm.sampling import RandomSource, generator_at, logits_to_probs, sample
+from pipeline.llm.sampling import RandomSource, generator_at, greedy_tokens, logits_to_probs, sample
 
 log = logging.getLogger(__name__)
 
@@ -554,7 +554,7 @@ class HeadDrafter:
         """The draft token from the head's logits over V' and, when sampling, q over the whole vocabulary."""
         vocab = self.trained.vocab
         if self.sampling.greedy:
-            return int(vocab[int(torch.argmax(logits))]), None
+            return int(vocab[int(greedy_tokens(logits))]), None
         probs = logits_to_probs(logits.float()[None], self.sampling)[0]
         choice = sample(probs, generator_at(self.generator, index))
         q = probs.new_zeros(self.trained.vocab_size)

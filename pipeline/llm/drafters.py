@@ -18,7 +18,7 @@ from pipeline.llm.cuda_graph_step import Stopwatch
 from pipeline.llm.lean_llama import LeanLlama
 from pipeline.llm.model import rollback
 from pipeline.llm.options import SamplingOptions
-from pipeline.llm.sampling import RandomSource, generator_at, logits_to_probs, sample
+from pipeline.llm.sampling import RandomSource, generator_at, greedy_tokens, logits_to_probs, sample
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ from pipeline.llm.sampling import (
     PositionalRandom,
     apply_repetition_penalty,
     generator_at,
+    greedy_tokens,
     greedy_verify,
     logits_to_probs,
     sample,
@@ -603,7 +604,7 @@ class RequestDecoder:
                 row_logits = apply_repetition_penalty(row_logits, [*self.context, *(tree.tokens[n] for n in path)],
                                                       (), penalty)
             if self.sampling.greedy:
-                return int(torch.argmax(row_logits[0]))
+                return int(greedy_tokens(row_logits[0]))
             return sample(logits_to_probs(row_logits, self.sampling)[0], generator_at(at, len(path)))
 
         self.kept, next_token = tree.walk(target_token)

@@ -127,9 +127,16 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return token
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dimension, the first index of the maximum as torch.argmax gives it (NaN
+    first too), through torch.max, which is 3× faster on a CPU: a row of 49,152 logits took 67 µs with
+    argmax and 21 µs with max (torch 2.13, 2026-12-05), which had been 0.66 ms of a ~7 ms verification."""
+    return logits.max(dim=-1).indices
+
+
 def greedy_verify(draft: Sequence[int], target_logits: torch.Tensor) -> tuple[int, int]:
     """(accepted count, next token): accept while x_i = argmax p_i. target_logits [k+1, V]."""
-    choices = torch.argmax(target_logits, dim=-1).tolist()
+    choices = greedy_tokens(target_logits).tolist()
     n = 0
     while n < len(draft) and draft[n] == choices[n]:
         n += 1
