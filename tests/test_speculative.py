@@ -20,7 +20,7 @@ from scipy.stats import chisquare
 
 from bench.prompts import load_prompts
 from pipeline.llm.draft_length import DraftCost, DraftGuard, DraftLengthController, MatchAcceptance, VerifyCost
-from pipeline.llm.drafters import Draft, SuffixAutomaton, SuffixDrafter
+from pipeline.llm.drafters import Draft, PromptLookupDrafter, SuffixAutomaton, SuffixDrafter
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.model import load_model, new_kv_cache, rollback
 from pipeline.llm.options import LlmOptions, SamplingOptions
@@ -201,11 +201,23 @@ def test_the_suffix_drafter_remembers_the_session(tiny):
     assert tiny.last_stats.mean_accepted_len > 2  # the second reply is replayed from memory
 
 
+def test_prompt_lookup_drafts_a_loop_past_the_context_end():
+    """A reply caught in a loop is drafted k tokens ahead, not one period: the continuation of the
+    latest match reads on into itself, as LZ77's overlapping copy does."""
+    drafter = PromptLookupDrafter()
+    loop = [5, 1, 2, 3, 1, 2, 3, 1, 2]  # "... 1 2 3 1 2 3 1 2"
+    draft = drafter.propose(loop, 8)
+    assert draft.match == 4 and draft.tokens == (3, 1, 2, 3, 1, 2, 3, 1)
+    assert drafter.propose([7, 8, 9, 7, 8, 1, 2], 3).tokens == ()  # no match: nothing is made up
+    assert drafter.propose([4, 5, 6, 7, 4, 5], 5).tokens == (6, 7, 4, 5, 6)  # the match two back
+
+
 def test_the_suffix_drafter_prefers_the_longer_match():
     drafter = SuffixDrafter()
     drafter.commit([1, 2, 3, 4, 5, 6, 7])  # an earlier utterance of the session
     draft = drafter.propose([9, 2, 3, 4, 8, 4], 3)  # "4" was said before and earlier in this reply
-    assert draft.match == 1 and draft.tokens == (8, 4)  # a tie: the reply itself is more recent
+    # a tie: the reply itself is more recent; its "8 4" read on into itself (the copy overlaps the end)
+    assert draft.match == 1 and draft.tokens == (8, 4, 8)
     draft = drafter.propose([4, 9, 2, 3, 4], 3)  # this reply matches "4", the session's past "2 3 4"
     assert draft.match == 3 and draft.tokens == (5, 6, 7)
 

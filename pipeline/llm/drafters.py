@@ -77,7 +77,7 @@ class PromptLookupDrafter:
             tail = tokens[-n:]
             for start in range(len(tokens) - n - 1, -1, -1):  # latest occurrence first
                 if tokens[start : start + n] == tail:
-                    follow = tuple(tokens[start + n : start + n + k])
+                    follow = _copied(tokens, start + n, k)
                     if follow and follow not in found:
                         match = match or n
                         found.append(follow)
@@ -87,6 +87,15 @@ class PromptLookupDrafter:
 
     def commit(self, context: Sequence[int]) -> None:
         pass
+
+
+def _copied(tokens: list[int], begin: int, k: int) -> tuple[int, ...]:
+    """k tokens read on from `begin`, and past the context's end on into themselves, as LZ77 copies
+    overlapping a match: the context ends with what stood `len(tokens) - begin` tokens back, so
+    the guess is that it goes on repeating. A reply caught in a loop ("of the team of the team
+    ...", a small model's greedy failure) is then drafted k tokens at a time, not one period."""
+    period = len(tokens) - begin
+    return tuple(tokens[begin + j % period] for j in range(k))
 
 
 class SuffixAutomaton:
@@ -248,7 +257,7 @@ class ModelDrafter:
         tokens, rows = [], []
         for i in range(k):
             if self.sampling.greedy:
-                token = int(torch.argmax(logits))
+                token = int(greedy_tokens(logits))
             else:
                 probs = logits_to_probs(logits[None], self.sampling)[0]
                 rows.append(probs)
