@@ -253,6 +253,18 @@ def test_a_batch_whose_guard_holds_drafting_off_drafts_only_its_rows_of_a_fixed_
     assert sum(s.drafted for s in steps[id(rows[3])]) > 0
 
 
+def test_a_batchs_guard_judges_the_rate_only_while_a_model_drafter_drafts_in_it(tiny):
+    """DraftGuard.judges_rate: a batch of model-free drafters is held to the loss budget alone (each
+    row's γ is chosen from measured costs already); a model drafter in it brings the rate rule back."""
+    prompts = [encode(tiny, text) for text in ALL_PROMPTS[:2]]
+    for drafters, judged in ((("ngram", "suffix"), False), (("ngram", "early-exit"), True)):
+        decoder = BatchedDecoder(tiny, 2)
+        for prompt, drafter in zip(prompts, drafters, strict=True):
+            decoder.add(GenerationRequest(prompt, 6, drafter))
+        decoder.step()  # the first step drafts (the guard starts on) and is judged
+        assert decoder.guard.judges_rate is judged, drafters
+
+
 def test_a_row_cancelled_before_its_first_step_leaves_without_tokens(tiny):
     prompt = encode(tiny, ALL_PROMPTS[0])
     schedule = [Scheduled(GenerationRequest(prompt, 12)),

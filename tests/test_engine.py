@@ -93,6 +93,7 @@ def test_the_warm_up_leaves_no_drafting_measurement_behind(loaded):
     # and a request afterwards measures again
     list(generator.steps(GenerationRequest(prompt_ids(loaded, PROMPTS["caption"][0]), 16, "suffix")))
     assert generator.verify_cost.seconds(1) is not None and "suffix" in generator.guards
+    assert not generator.guards["suffix"].judges_rate  # a model-free drafter's guard: its loss budget alone
 
 
 def test_a_coded_targets_steps_keep_torchs_operations_on_one_thread(loaded, monkeypatch):

@@ -305,21 +305,37 @@ def test_the_guard_turns_a_losing_drafter_off_and_probes_it_ever_less_often():
     assert sum(drafted) < 0.01 * len(drafted)
 
 
-def test_the_guards_loss_stays_inside_its_budget_for_any_drafter():
+@pytest.mark.parametrize("judges_rate", [True, False], ids=["model drafter", "model-free drafter"])
+def test_the_guards_loss_stays_inside_its_budget_for_any_drafter(judges_rate):
     """Whatever a drafter's steps cost, decoding under the guard loses at most the budget's share of
-    its time, plus the allowance and the one step that crossed the line."""
+    its time, plus the allowance and the one step that crossed the line; with the rate rule (a
+    model drafter's guard) or the budget alone (a model-free drafter's)."""
     rng = random.Random(7)
     worst = 0.0
     for case in range(40):
         plain_s = rng.uniform(0.01, 0.3)
         steps = [(plain_s * rng.uniform(0.5, 6.0), rng.randint(1, 5)) for _ in range(rng.randint(1, 9))]
-        guard = DraftGuard(budget=0.03, allowance=4.0, horizon=1 << 30)
+        guard = DraftGuard(budget=0.03, allowance=4.0, horizon=1 << 30, judges_rate=judges_rate)
         drafted = through_guard(guard, steps, plain_s, 2000)
         seconds, loss = decoding_time_and_loss(drafted, steps, plain_s)
         step_loss = max(s - t * plain_s for s, t in steps)
         assert loss <= 0.03 * seconds + 4.0 * plain_s + step_loss + 1e-9, case
         worst = max(worst, loss / seconds)
     assert worst > 0.01  # some drafters did lose: the bound was tested, not met by never drafting
+
+
+def test_a_model_free_drafters_guard_keeps_bursty_drafting_on_that_its_rate_rule_would_stop():
+    """A copying drafter's steps: four one-token misses (each a little dearer than a plain step),
+    then a copied span. Over the first `min_tokens` tokens the rate rule sees the misses and turns
+    it off; the budget alone (a model-free drafter's guard) keeps it on, and over the whole run it
+    gains."""
+    plain_s = 0.01
+    steps = [(0.0105, 1)] * 4 + [(0.014, 6)]
+    assert sum(s for s, _ in steps) / sum(t for _, t in steps) < plain_s  # it wins on the whole
+    rated = through_guard(DraftGuard(min_tokens=4), steps, plain_s, 400)
+    budgeted = through_guard(DraftGuard(min_tokens=4, judges_rate=False), steps, plain_s, 400)
+    assert not all(rated) and all(budgeted)
+    assert decoding_time_and_loss(budgeted, steps, plain_s)[1] < 0
 
 
 def test_the_guard_keeps_a_winning_drafter_on():

@@ -190,6 +190,8 @@ class BatchedDecoder:
         rows = len(self.rows)
         self.pass_cost.observe(rows * width, target_s)
         if drafting:
+            # the rate rule only where a model drafter drafts (DraftGuard.judges_rate)
+            self.guard.judges_rate = any(row.guard is not None and not row.drafter.model_free for row in self.rows)
             plain = self.pass_cost.seconds(rows)
             self.guard.observe(target_s + sum(row.draft_s for row in self.rows),
                                sum(len(row.committed) for row in self.rows), None if plain is None else plain / rows)

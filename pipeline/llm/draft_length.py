@@ -228,6 +228,15 @@ class DraftGuard:
     drafter that keeps losing costs ever less to re-check. A probe pays its catch-up, which
     is what turning drafting back on costs.
 
+    `judges_rate` False (a model-free drafter's guard): the rule above is left out, the loss
+    budget below alone turns drafting off. Such a drafter's steps are each chosen from measured
+    costs already (γ from the acceptance measured for its match length against the measured b,
+    none where it does not pay: `MatchAcceptance`), and its gains come in bursts (a copied
+    span), so a rate judged over `min_tokens` tokens turned it off on the noise of a few missed
+    one-token drafts and held it off for hundreds of steps, copied spans included (dialogue,
+    int4-q8, 2026-12-05: 1.15-1.22x plain with the rule, 1.26-1.27x without). The budget still
+    bounds what mispredicted statistics may lose.
+
     Loss budget. Each draft step's loss is its seconds minus what plain decoding would have
     taken for its tokens (negative: a gain). The running loss L, gains included but credit
     capped at `allowance` plain steps, may not pass `budget` times the decoding time the guard
@@ -249,6 +258,7 @@ class DraftGuard:
     budget: float = 0.03  # the share of decoding time drafting may lose, over the last `horizon` steps
     allowance: float = 4.0  # plus this many plain steps: the first measurements' price
     horizon: int = 4096  # steps over which L and the time seen are remembered (exponentially)
+    judges_rate: bool = True  # False: the loss budget alone turns drafting off (model-free drafters)
     on: bool = True
     switches: int = 0  # times drafting went off
     _seconds: float = 0.0
@@ -312,7 +322,7 @@ class DraftGuard:
         over_budget = not self.within_budget()  # decides at once; the sums wait for min_tokens
         if not over_budget and self._committed < self.min_tokens:
             return
-        losing = over_budget or self._seconds / self._tokens > plain_s
+        losing = over_budget or (self.judges_rate and self._seconds / self._tokens > plain_s)
         if self._probing:
             self._probing = False
             self._backoff = min(self.probe_max, 2 * self._backoff) if losing else 0

@@ -424,7 +424,7 @@ class Generator:
         if drafter.name == "none" or not request.adaptive_draft or (
                 request.sampling.seed is not None and not request.sampling.greedy):
             return None
-        return self.guards.setdefault(_measured_as(request, drafter), DraftGuard())
+        return self.guards.setdefault(_measured_as(request, drafter), DraftGuard(judges_rate=not drafter.model_free))
 
     def branch_worth_for(self, request: GenerationRequest, drafter: Drafter) -> BranchWorth | None:
         """What a model-free drafter's tree branches won, shared by its requests; None where the tree's
