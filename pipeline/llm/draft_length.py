@@ -233,9 +233,9 @@ class DraftGuard:
     costs already (γ from the acceptance measured for its match length against the measured b,
     none where it does not pay: `MatchAcceptance`), and its gains come in bursts (a copied
     span), so a rate judged over `min_tokens` tokens turned it off on the noise of a few missed
-    one-token drafts and held it off for hundreds of steps, copied spans included (dialogue,
-    int4-q8, 2026-12-05: 1.15-1.22x plain with the rule, 1.26-1.27x without). The budget still
-    bounds what mispredicted statistics may lose.
+    one-token drafts and held it off for hundreds of steps, copied spans included (the 16 dialogue
+    prompts twice, int4-q8, 2026-12-05: suffix 1.24x -> 1.26x plain, ngram 1.17x -> 1.29x with the
+    budget alone). The budget still bounds what mispredicted statistics may lose.
 
     Loss budget. Each draft step's loss is its seconds minus what plain decoding would have
     taken for its tokens (negative: a gain). The running loss L, gains included but credit
