@@ -360,4 +360,15 @@ inline void product_q8(const float* x, int64_t M, int64_t K, const uint8_t* reco
   }, static_cast<double>(M) * static_cast<double>(K) * static_cast<double>(blocks), Pool::product_kind(M));
 }
 
+// out[M, N] = x[M, K] @ W.T in a form's arithmetic: on float32 activations (int4-exact) or on 8-bit
+// ones (int4-q8, `int8_activations`: W's records in dot-product order); 4- or 8-bit records.
+inline void coded_product(const float* x, int64_t M, int64_t K, const uint8_t* records, float* out, int64_t N,
+                          bool int4, bool int8_activations) {
+  if (int8_activations) {
+    product_q8(x, M, K, records, out, N, int4);
+  } else {
+    product(x, M, K, records, out, N, int4);
+  }
+}
+
 }  // namespace specvox

@@ -36,11 +36,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& records, int64
               K % kGroup == 0 && records.size(1) == K / kGroup && records.size(2) == record_bytes,
               "the coded weight does not match x's width");
   auto out = torch::empty({M, N}, x.options());
-  if (int8_activations) {
-    specvox::product_q8(x.data_ptr<float>(), M, K, records.data_ptr<uint8_t>(), out.data_ptr<float>(), N, int4);
-  } else {
-    specvox::product(x.data_ptr<float>(), M, K, records.data_ptr<uint8_t>(), out.data_ptr<float>(), N, int4);
-  }
+  specvox::coded_product(x.data_ptr<float>(), M, K, records.data_ptr<uint8_t>(), out.data_ptr<float>(), N, int4,
+                         int8_activations);
   return out;
 }
 

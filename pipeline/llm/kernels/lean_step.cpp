@@ -257,12 +257,8 @@ class LeanStep {
   // a layer matrix's product: float32 activations (int4-exact) or 8-bit ones (int4-q8; codes.h), on its
   // 4-bit records (a target's layers) or 8-bit ones (a draft head's layer, draft_head.CodedEagle)
   void product(const float* x, int64_t rows, int64_t K, const torch::Tensor& records, float* out, int64_t N) const {
-    const bool int4 = records.size(2) == specvox::kInt4Record;
-    if (int8_activations_) {
-      specvox::product_q8(x, rows, K, bytes(records), out, N, int4);
-    } else {
-      specvox::product(x, rows, K, bytes(records), out, N, int4);
-    }
+    specvox::coded_product(x, rows, K, bytes(records), out, N, records.size(2) == specvox::kInt4Record,
+                           int8_activations_);
   }
 
   static void check_records(const torch::Tensor& r, int64_t out, int64_t in) {
