@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     draft.add_argument("--work", default="", help="data shards and checkpoints (default: out/train-draft/<name>)")
     draft.add_argument("--minutes", type=float, default=25.0, help="training time budget")
     draft.add_argument("--data-minutes", type=float, default=20.0, help="time budget for generating the data")
-    draft.add_argument("--prompts", type=int, default=6000, help="corpus prompts (the budget may use fewer)")
+    draft.add_argument("--prompts", type=int, default=6000, help="templated corpus prompts (the budget may use fewer)")
+    draft.add_argument("--self-prompts", type=int, default=1000,
+                       help="user turns the target writes itself, beside the templated ones (0: none)")
     draft.add_argument("--steps", type=int, default=0, help="stop training after this many steps (0: no cap)")
     draft.add_argument("--epochs", type=int, default=3, help="passes over the data (the time budget may stop sooner)")
     draft.add_argument("--device", help="default: llm.device")
@@ -398,6 +400,7 @@ def train_draft(settings, args) -> int:
     options = TrainOptions(kind=args.kind, target=args.target or settings.llm.model, out=args.out, work=args.work,
                            device=args.device or settings.llm.device, data_dtype=args.dtype or settings.llm.dtype,
                            threads=settings.llm.torch_threads, seed=args.seed, prompts=args.prompts,
+                           self_prompts=args.self_prompts,
                            data_minutes=args.data_minutes, minutes=args.minutes, steps=args.steps, epochs=args.epochs,
                            fresh=args.fresh)
     benchmark = load_prompts()  # never trained on: the corpus is checked against them

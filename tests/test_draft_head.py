@@ -18,7 +18,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from bench.prompts import load_prompts
 from pipeline.llm.batch import BatchedDecoder
-from pipeline.llm.draft_corpus import CorpusPrompt, build_corpus, overlapping
+from pipeline.llm.draft_corpus import CorpusPrompt, build_corpus, overlapping, usable_user_turn
 from pipeline.llm.draft_head import (
     CARD_FILE,
     DraftHeadMismatchError,
@@ -36,7 +36,7 @@ from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.model import load_model
 from pipeline.llm.options import LlmOptions, SamplingOptions
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
-from pipeline.llm.train_draft import TrainOptions, autocast_dtype, train
+from pipeline.llm.train_draft import TrainOptions, autocast_dtype, corpus_for, train, user_turn_prefix
 
 PROMPTS = load_prompts()
 BENCHMARK = [*PROMPTS["dialogue"], *PROMPTS["caption"]]
@@ -75,6 +75,41 @@ def test_the_corpus_never_holds_a_benchmark_prompt():
     assert overlapping([*corpus[:10], *planted], BENCHMARK) == [p.user_text for p in planted]
 
 
+@pytest.mark.parametrize(("written", "kept"), [
+    ("How do I start a small vegetable garden?", True),
+    ("  Can you help me plan a party for my sister?  ", True),
+    ("Please explain how tides work.", True),
+    ("Hi there!", False),                                      # under three words
+    ("Steroids.", False),
+    ("I'm Sarah, a teacher. Here's what I wrote so far:\n\nShe said", False),  # runs on into a letter
+    ("What about this one", False),                            # no sentence end: cut off
+    ("ąem jaką do nikátą pokadovą?", False),                   # not ASCII
+    ("Can you rate these? 🌳👥", False),
+    ("Use **bold** and <b>tags</b> please.", False),
+    ("Wait... what did you say?", False),
+    (" ".join(["word"] * 31) + ".", False),                   # over thirty words
+])
+def test_a_self_written_user_turn_is_kept_only_where_it_reads_as_one(written, kept):
+    assert (usable_user_turn(written) == written.strip()) is kept
+    assert kept or usable_user_turn(written) is None
+
+
+def test_self_written_turns_open_where_the_chat_template_puts_the_users_turn(loaded):
+    """The target writes a turn after the template's system turn and the user turn's opening,
+    and a turn it wrote joins the corpus only if it shares no run of words with a benchmark prompt."""
+    tokenizer = loaded.tokenizer
+    prefix = user_turn_prefix(tokenizer, "You are a test persona.")
+    whole = encode_chat(tokenizer, chat_messages(Task.DIALOGUE, "Why is the sky blue?", "You are a test persona."))
+    assert whole[: len(prefix)] == prefix and len(whole) > len(prefix) + 5
+    assert "You are a test persona." in tokenizer.decode(prefix) and "Why" not in tokenizer.decode(prefix)
+    options = TrainOptions(prompts=40, heldout_prompts=4)
+    mine = CorpusPrompt(Task.DIALOGUE, "How do I keep basil alive indoors?")
+    train_set, held = corpus_for(options, BENCHMARK, [mine])
+    assert mine in train_set and mine not in held and len(held) == 4
+    with pytest.raises(ValueError, match="overlap the benchmark"):
+        corpus_for(options, BENCHMARK, [CorpusPrompt(Task.DIALOGUE, "Well, " + BENCHMARK[0])])
+
+
 def test_unrolled_training_steps_are_what_drafting_computes():
     """Step s of `eagle_unrolled` at position j equals drafting from a prefix known up to
     j - s + 1 with the head's cache: the training-time test trains what the drafter runs."""
@@ -101,7 +136,8 @@ def test_unrolled_training_steps_are_what_drafting_computes():
 
 def tiny_options(tmp_path, kind: str = "eagle", steps: int = 3) -> TrainOptions:
     return TrainOptions(kind=kind, out=str(tmp_path / f"head-{kind}"), work=str(tmp_path / "work"), prompts=24,
-                        heldout_prompts=4, max_new_tokens=10, generation_batch=8, data_minutes=30.0, vocab_size=512,
+                        self_prompts=3, self_prompt_minutes=2.0, heldout_prompts=4, max_new_tokens=10,
+                        generation_batch=8, data_minutes=30.0, vocab_size=512,
                         unroll=2, steps=steps, minutes=2.0, batch_sequences=8, checkpoint_s=0.0, medusa_heads=2)
 
 
@@ -113,7 +149,11 @@ def test_a_tiny_training_run_writes_an_artifact_that_loads_and_resumes(loaded, t
     saved = json.loads((folder / CARD_FILE).read_text())
     assert saved == card and card["training"]["steps"] == 3
     assert card["target"]["sha256"] == target_fingerprint("bundled")
-    assert card["data"]["train_replies"] == 20 and card["data"]["heldout_replies"] == 4
+    # 20 templated prompts and 3 the target wrote itself (the same 3 on resuming: kept in the work folder)
+    assert card["data"]["self_written_prompts"] == 3
+    assert card["data"]["train_replies"] == 23 and card["data"]["heldout_replies"] == 4
+    written = json.loads((tmp_path / "work" / "self_written.json").read_text())["turns"]
+    assert len(written) == 3 and all(usable_user_turn(t["text"]) == t["text"] for t in written)
     assert card["data"]["train_reply_tokens"] > 0 and card["draft_vocab"]["size"] <= 512 + len(loaded.eos_token_ids)
     held = card["heldout"]
     assert len(held["acceptance_by_position"]) == 8 and held["positions"] > 0
@@ -122,7 +162,8 @@ def test_a_tiny_training_run_writes_an_artifact_that_loads_and_resumes(loaded, t
     head = load_head(folder, loaded.model, target_fingerprint("bundled"))
     assert head.kind == "eagle" and len(head.vocab) == card["draft_vocab"]["size"]
     err = capsys.readouterr().err  # progress with an ETA on stderr
-    assert "[data] 1/" in err and "[train] 1/3 steps" in err and "[train] 3/3 steps" in err and " eta " in err
+    assert "[prompts] " in err and "[data] 1/" in err
+    assert "[train] 1/3 steps" in err and "[train] 3/3 steps" in err and " eta " in err
 
     shards = sorted((tmp_path / "work" / "data").glob("shard-*.pt"))
     resumed = train(dataclasses.replace(options, steps=5), BENCHMARK, loaded)
@@ -131,6 +172,7 @@ def test_a_tiny_training_run_writes_an_artifact_that_loads_and_resumes(loaded, t
     assert resumed["training"]["steps"] == 5
     assert sorted((tmp_path / "work" / "data").glob("shard-*.pt")) == shards  # the data was not made again
     assert resumed["data"]["train_reply_tokens"] == card["data"]["train_reply_tokens"]
+    assert json.loads((tmp_path / "work" / "self_written.json").read_text())["turns"] == written
 
     medusa_options = tiny_options(tmp_path, "medusa", steps=2)
     medusa = train(medusa_options, BENCHMARK, loaded)  # on the same data

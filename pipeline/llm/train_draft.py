@@ -1,6 +1,8 @@
 """`specvox train-draft`: a draft head self-distilled from the target, offline, resumable, on a budget.
 
-1. **Data**: the target's own replies to the prompt corpus (pipeline/llm/draft_corpus.py),
+0. **Prompts**: the templated corpus (pipeline/llm/draft_corpus.py) and `self_prompts` user
+   turns the target writes itself (Magpie), kept in the work folder once written.
+1. **Data**: the target's own replies to the prompt corpus,
    sampled in batches (a few temperatures, greedy among them), keeping for every token its
    feature f (the target's final-normed hidden state) and the top `label_top_k` of the
    target's distribution p there. Held-out prompts get greedy replies, what greedy serving
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from pipeline.llm.draft_corpus import CorpusPrompt, build_corpus, overlapping
+from pipeline.llm.draft_corpus import PERSONAS, CorpusPrompt, build_corpus, overlapping, usable_user_turn
 from pipeline.llm.draft_head import (
     CARD_FILE,
     CARD_FORMAT,
@@ -52,7 +54,7 @@ from pipeline.llm.draft_head import (
     save_head,
     target_fingerprint,
 )
-from pipeline.llm.prompts import encode_chat
+from pipeline.llm.prompts import Task, encode_chat
 
 EVAL_DEPTH = 8  # draft positions the held-out acceptance is reported for
 STEP_DECAY = 0.8  # weight of unrolled step s: STEP_DECAY ** (s - 1) (EAGLE-3 weighs later steps less)
@@ -69,7 +71,12 @@ class TrainOptions:
     data_dtype: str = "float32"  # the target's dtype while it generates the data (the serving one)
     threads: int = 0  # torch threads (0: torch's default)
     seed: int = 0
-    prompts: int = 6000  # corpus prompts, held-out ones included
+    prompts: int = 6000  # templated corpus prompts, held-out ones included
+    # user turns the target writes itself (Magpie), beside the templated ones; 0: templates only
+    self_prompts: int = 1000
+    self_prompt_minutes: float = 6.0  # time budget for writing them
+    self_prompt_tokens: int = 32  # a longer turn is cut off, and dropped
+    self_prompt_temperature: float = 1.0
     heldout_prompts: int = 32
     max_new_tokens: int = 96
     generation_batch: int = 32
@@ -143,14 +150,70 @@ def _clock(seconds: float) -> str:
 
 # ---- 1. data -------------------------------------------------------------------------------
 
-def corpus_for(options: TrainOptions, excluded: Sequence[str]) -> tuple[list[CorpusPrompt], list[CorpusPrompt]]:
-    """(training prompts, held-out prompts); refuses a corpus that overlaps the excluded (benchmark) prompts."""
+def corpus_for(options: TrainOptions, excluded: Sequence[str],
+               written: Sequence[CorpusPrompt] = ()) -> tuple[list[CorpusPrompt], list[CorpusPrompt]]:
+    """(training prompts, held-out prompts): the templated corpus, its first `heldout_prompts` held
+    out, and the self-written turns `written` for training; refuses a corpus that overlaps the
+    excluded (benchmark) prompts."""
     prompts = build_corpus(options.prompts, options.seed)
-    clash = overlapping(prompts, excluded)
+    clash = overlapping([*prompts, *written], excluded)
     if clash:
         raise ValueError(f"{len(clash)} corpus prompts overlap the benchmark prompts, e.g. {clash[0]!r}")
     held = max(1, min(options.heldout_prompts, len(prompts) // 4))
-    return prompts[held:], prompts[:held]
+    return [*prompts[held:], *written], prompts[:held]
+
+
+def user_turn_prefix(tokenizer: Any, persona: str) -> list[int]:
+    """A chat in the tokenizer's own template up to where the user's first turn begins: its system
+    turn (`persona`) and the user turn's opening. Found by rendering a chat whose user text is a
+    marker and cutting the text there, so that any chat template works."""
+    marker = "SPECVOXUSERTURNMARKER"
+    text = tokenizer.apply_chat_template([{"role": "system", "content": persona}, {"role": "user", "content": marker}],
+                                         tokenize=False)
+    return [int(t) for t in tokenizer.encode(text[: text.index(marker)], add_special_tokens=False)]
+
+
+def self_written_prompts(options: TrainOptions, loaded: Any, excluded: Sequence[str], work: Path) -> list[CorpusPrompt]:
+    """Up to `self_prompts` distinct user turns written by the target under the corpus's personas,
+    sampled at `self_prompt_temperature` in batches, within `self_prompt_minutes`: those that end
+    before `self_prompt_tokens`, read as a turn (`usable_user_turn`) and share no run of words with
+    an excluded (benchmark) prompt. Kept in the work folder after each batch; a rerun goes on from there."""
+    wanted = options.self_prompts
+    if wanted <= 0:
+        return []
+    path = work / "self_written.json"
+    record: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"batches": 0, "seconds": 0.0,
+                                                                                   "written": 0, "turns": []}
+    kept = [CorpusPrompt(Task.DIALOGUE, t["text"], t["persona"]) for t in record["turns"]]
+    seen = {p.user_text for p in kept}
+    progress = Progress("prompts", wanted)
+    pad_id = int(getattr(loaded.tokenizer, "pad_token_id", None) or 0)
+    writing = dataclasses.replace(options, max_new_tokens=options.self_prompt_tokens, label_top_k=1)
+    size = options.generation_batch
+    while len(kept) < wanted and record["seconds"] < options.self_prompt_minutes * 60:
+        index = record["batches"]
+        rng = random.Random(options.seed * 7919 + index)
+        personas = [rng.choice(PERSONAS) for _ in range(size)]
+        started = time.monotonic()
+        generator = torch.Generator().manual_seed(options.seed * 1_000_003 + 500_009 + index)
+        turns = generate_batch(loaded, [user_turn_prefix(loaded.tokenizer, p) for p in personas],
+                               [options.self_prompt_temperature] * size, writing, pad_id, generator, False)
+        for persona, turn in zip(personas, turns, strict=True):
+            ids = turn.tokens[2:].tolist()
+            text = None if len(ids) >= options.self_prompt_tokens else usable_user_turn(loaded.tokenizer.decode(ids))
+            prompt = CorpusPrompt(Task.DIALOGUE, text or "", persona)
+            if text and text not in seen and not overlapping([prompt], excluded) and len(kept) < wanted:
+                seen.add(text)
+                kept.append(prompt)
+        record["batches"], record["written"] = index + 1, record["written"] + size
+        record["seconds"] += time.monotonic() - started
+        record["turns"] = [{"text": p.user_text, "persona": p.persona} for p in kept]
+        path.write_text(json.dumps(record, indent=1))
+        progress.update(len(kept), f"turns kept of {record['written']} written;")
+    if len(kept) < wanted:
+        print(f"[prompts] {len(kept)} of {wanted} self-written turns within {options.self_prompt_minutes:g} min",
+              file=sys.stderr, flush=True)
+    return kept
 
 
 def plan_batches(options: TrainOptions, tokenizer: Any, train: list[CorpusPrompt],
@@ -546,7 +609,8 @@ def train(options: TrainOptions, excluded: Sequence[str] = (), loaded: Any = Non
         loaded = load_model(LlmOptions(model=options.target, device=options.device, dtype=options.data_dtype))
     model, tokenizer = loaded.model, loaded.tokenizer
     options = dataclasses.replace(options, data_dtype=str(model.lm_head.weight.dtype).removeprefix("torch."))
-    train_prompts, held_prompts = corpus_for(options, excluded)
+    written = self_written_prompts(options, loaded, excluded, work)
+    train_prompts, held_prompts = corpus_for(options, excluded, written)
     batches = plan_batches(options, tokenizer, train_prompts, held_prompts)
     record = make_data(options, loaded, batches, work)
     data = load_data(work)
@@ -576,7 +640,7 @@ def train(options: TrainOptions, excluded: Sequence[str] = (), loaded: Any = Non
     held = heldout_acceptance(head, held_set, embed, readout, vocab.to(device), to_draft, device)
     covered = {"train": round(coverage(train_set, vocab), 4), "heldout": round(coverage(held_set, vocab), 4)}
     card = _card(options, fingerprint, record, train_set, held_set, len(train_prompts), len(held_prompts), vocab,
-                 covered, shape, state, held, time.monotonic() - started)
+                 covered, shape, state, held, time.monotonic() - started, len(written))
     save_head(folder, head, vocab, card, getattr(torch, options.storage_dtype))
     print(f"[done] {folder}: expected accepted length by draft length {held['expected_accepted_length']}",
           file=sys.stderr, flush=True)
@@ -595,7 +659,7 @@ def _initialise(head: torch.nn.Module, target: Any) -> None:
 
 def _card(options: TrainOptions, fingerprint: str, record: dict, train_set: list[Reply],
           held_set: list[Reply], train_prompts: int, held_prompts: int, vocab: torch.Tensor, covered: dict,
-          shape: HeadShape, state: TrainState, held: dict, seconds: float) -> dict:
+          shape: HeadShape, state: TrainState, held: dict, seconds: float, self_written: int = 0) -> dict:
     reply_tokens = sum(len(s.features) - 2 for s in train_set)
     return {
         "format": CARD_FORMAT,
@@ -604,7 +668,8 @@ def _card(options: TrainOptions, fingerprint: str, record: dict, train_set: list
         "target": {"model": options.target, "sha256": fingerprint},
         "shape": dataclasses.asdict(shape),
         "draft_vocab": {"size": len(vocab), "coverage_of_top1": covered},
-        "data": {"corpus_prompts": train_prompts + held_prompts, "train_replies": len(train_set),
+        "data": {"corpus_prompts": train_prompts + held_prompts, "self_written_prompts": self_written,
+                 "train_replies": len(train_set),
                  "train_reply_tokens": reply_tokens, "heldout_replies": len(held_set),
                  "heldout_reply_tokens": sum(len(s.features) - 2 for s in held_set), "seed": options.seed,
                  "temperatures": list(options.temperatures), "max_new_tokens": options.max_new_tokens,
@@ -631,7 +696,7 @@ def evaluate(options: TrainOptions, prompts: dict[str, list[str]], limit: int, m
     from pipeline.llm.engine import GenerationRequest, GenerationStats, Generator
     from pipeline.llm.model import load_model
     from pipeline.llm.options import LlmOptions
-    from pipeline.llm.prompts import Task, chat_messages
+    from pipeline.llm.prompts import chat_messages
 
     llm = LlmOptions(model=options.target, device=options.device, dtype="float32",
                      draft_heads=str(options.folder().parent))
