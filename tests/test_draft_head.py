@@ -76,22 +76,25 @@ def test_the_corpus_never_holds_a_benchmark_prompt():
 
 
 @pytest.mark.parametrize(("written", "kept"), [
-    ("How do I start a small vegetable garden?", True),
-    ("  Can you help me plan a party for my sister?  ", True),
-    ("Please explain how tides work.", True),
-    ("Hi there!", False),                                      # under three words
-    ("Steroids.", False),
-    ("I'm Sarah, a teacher. Here's what I wrote so far:\n\nShe said", False),  # runs on into a letter
-    ("What about this one", False),                            # no sentence end: cut off
-    ("ąem jaką do nikátą pokadovą?", False),                   # not ASCII
-    ("Can you rate these? 🌳👥", False),
-    ("Use **bold** and <b>tags</b> please.", False),
-    ("Wait... what did you say?", False),
-    (" ".join(["word"] * 31) + ".", False),                   # over thirty words
+    ("How do I start a small vegetable garden?", "How do I start a small vegetable garden?"),
+    ("  Can you help me plan a party for my sister?  ", "Can you help me plan a party for my sister?"),
+    ("I need a new laptop. What kind do you recommend?", "I need a new laptop. What kind do you recommend?"),
+    ("Hi, I'm Sam from the bakery! Here's what I wrote so far:\n\nDear customers", "Hi, I'm Sam from the bakery!"),
+    ("Can you tell me about trains? I love the old steam ones and I have", "Can you tell me about trains?"),
+    (" ".join(["Tell me more about this."] * 7), " ".join(["Tell me more about this."] * 6)),  # to 30 words
+    ("Hi there!", None),                                      # under three words
+    ("Steroids.", None),
+    ("What about this one", None),                            # no sentence end: cut off
+    ("Sarah,\n\nI've just got some questions.", None),       # a letter: its first line is no turn
+    ("ąem jaką do nikátą pokadovą?", None),                   # not ASCII
+    ("Can you rate these? 🌳👥", "Can you rate these?"),
+    ("Do you like 🌳 trees as much as I do?", None),
+    ("Use **bold** and <b>tags</b> please.", None),
+    ("Wait... what did you say?", None),
+    (" ".join(["word"] * 31) + ".", None),                   # one sentence over thirty words
 ])
-def test_a_self_written_user_turn_is_kept_only_where_it_reads_as_one(written, kept):
-    assert (usable_user_turn(written) == written.strip()) is kept
-    assert kept or usable_user_turn(written) is None
+def test_a_self_written_user_turn_keeps_its_whole_sentences_that_read_as_one(written, kept):
+    assert usable_user_turn(written) == kept
 
 
 def test_self_written_turns_open_where_the_chat_template_puts_the_users_turn(loaded):

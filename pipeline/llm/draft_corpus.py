@@ -211,22 +211,23 @@ def build_corpus(n: int, seed: int = 0, caption_share: float = 0.3) -> list[Corp
 
 
 SELF_WRITTEN_WORDS = (3, 30)  # a self-written user turn's length in words, bounds included
-# Where a self-written turn stops being a question to the avatar: another turn or a list begins
-_NOT_A_TURN = re.compile(r"[\n\r\t<>|#*_`\\{}\[\]@]|https?:|\.\.\.")
+# Markup, links, trailing off: not something said to the avatar
+_NOT_A_TURN = re.compile(r"[\t<>|#*_`\\{}\[\]@]|https?:|\.\.\.")
 
 
 def usable_user_turn(text: str) -> str | None:
-    """`text`, a user turn the target wrote, stripped, if it reads as one: a single line of
-    SELF_WRITTEN_WORDS words of printable ASCII, ending a sentence (. ? or !), no markup; else None.
-    About a third of what the bundled target writes at temperature 1 passes (the rest runs on
-    into stories, letters, other languages or emoji)."""
-    text = text.strip()
+    """What of `text`, a user turn the target wrote, reads as one, or None: its first line's
+    longest run of whole sentences (ending in . ? or !) within SELF_WRITTEN_WORDS words, in
+    printable ASCII without markup. Cut there, about half of what the bundled target writes at
+    temperature 1 is kept (kept whole or not at all, a fifth was: most run on into stories,
+    letters, lists, other languages or emoji)."""
+    line = text.strip().split("\n", 1)[0].strip()
     low, high = SELF_WRITTEN_WORDS
-    if not text or not text.isascii() or not text.isprintable() or _NOT_A_TURN.search(text):
+    ends = [m.end() for m in re.finditer(r"[.?!](?=\s|$)", line)]
+    kept = next((line[:end] for end in reversed(ends) if len(line[:end].split()) <= high), "")
+    if len(kept.split()) < low or not kept.isascii() or not kept.isprintable() or _NOT_A_TURN.search(kept):
         return None
-    if text[-1] not in ".?!" or not low <= len(text.split()) <= high:
-        return None
-    return text
+    return kept
 
 
 def _words(text: str) -> list[str]:

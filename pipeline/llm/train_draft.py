@@ -75,7 +75,7 @@ class TrainOptions:
     # user turns the target writes itself (Magpie), beside the templated ones; 0: templates only
     self_prompts: int = 1000
     self_prompt_minutes: float = 6.0  # time budget for writing them
-    self_prompt_tokens: int = 32  # a longer turn is cut off, and dropped
+    self_prompt_tokens: int = 32  # a turn is cut here (then kept to its last whole sentence)
     self_prompt_temperature: float = 1.0
     heldout_prompts: int = 32
     max_new_tokens: int = 96
@@ -175,9 +175,10 @@ def user_turn_prefix(tokenizer: Any, persona: str) -> list[int]:
 
 def self_written_prompts(options: TrainOptions, loaded: Any, excluded: Sequence[str], work: Path) -> list[CorpusPrompt]:
     """Up to `self_prompts` distinct user turns written by the target under the corpus's personas,
-    sampled at `self_prompt_temperature` in batches, within `self_prompt_minutes`: those that end
-    before `self_prompt_tokens`, read as a turn (`usable_user_turn`) and share no run of words with
-    an excluded (benchmark) prompt. Kept in the work folder after each batch; a rerun goes on from there."""
+    sampled at `self_prompt_temperature` in batches of at most `self_prompt_tokens`, within
+    `self_prompt_minutes`: what of each reads as a turn (`usable_user_turn`), where it shares no run
+    of words with an excluded (benchmark) prompt. Kept in the work folder after each batch; a rerun
+    goes on from there."""
     wanted = options.self_prompts
     if wanted <= 0:
         return []
@@ -200,7 +201,7 @@ def self_written_prompts(options: TrainOptions, loaded: Any, excluded: Sequence[
                                [options.self_prompt_temperature] * size, writing, pad_id, generator, False)
         for persona, turn in zip(personas, turns, strict=True):
             ids = turn.tokens[2:].tolist()
-            text = None if len(ids) >= options.self_prompt_tokens else usable_user_turn(loaded.tokenizer.decode(ids))
+            text = usable_user_turn(loaded.tokenizer.decode(ids))  # whole sentences: a cut one is dropped
             prompt = CorpusPrompt(Task.DIALOGUE, text or "", persona)
             if text and text not in seen and not overlapping([prompt], excluded) and len(kept) < wanted:
                 seen.add(text)
