@@ -191,20 +191,23 @@ def self_written_prompts(options: TrainOptions, loaded: Any, excluded: Sequence[
     pad_id = int(getattr(loaded.tokenizer, "pad_token_id", None) or 0)
     writing = dataclasses.replace(options, max_new_tokens=options.self_prompt_tokens, label_top_k=1)
     size = options.generation_batch
+    prefixes = {persona: user_turn_prefix(loaded.tokenizer, persona) for persona in PERSONAS}
     while len(kept) < wanted and record["seconds"] < options.self_prompt_minutes * 60:
         index = record["batches"]
         rng = random.Random(options.seed * 7919 + index)
         personas = [rng.choice(PERSONAS) for _ in range(size)]
         started = time.monotonic()
         generator = torch.Generator().manual_seed(options.seed * 1_000_003 + 500_009 + index)
-        turns = generate_batch(loaded, [user_turn_prefix(loaded.tokenizer, p) for p in personas],
-                               [options.self_prompt_temperature] * size, writing, pad_id, generator, False)
-        for persona, turn in zip(personas, turns, strict=True):
-            ids = turn.tokens[2:].tolist()
-            text = usable_user_turn(loaded.tokenizer.decode(ids))  # whole sentences: a cut one is dropped
-            prompt = CorpusPrompt(Task.DIALOGUE, text or "", persona)
-            if text and text not in seen and not overlapping([prompt], excluded) and len(kept) < wanted:
-                seen.add(text)
+        turns = generate_batch(loaded, [prefixes[p] for p in personas], [options.self_prompt_temperature] * size,
+                               writing, pad_id, generator, False)
+        # whole sentences only: a sentence cut at self_prompt_tokens is dropped
+        texts = [usable_user_turn(loaded.tokenizer.decode(turn.tokens[2:].tolist())) for turn in turns]
+        written = [CorpusPrompt(Task.DIALOGUE, text, persona) for persona, text in zip(personas, texts, strict=True)
+                   if text]
+        clashing = set(overlapping(written, excluded))
+        for prompt in written:
+            if prompt.user_text not in seen and prompt.user_text not in clashing and len(kept) < wanted:
+                seen.add(prompt.user_text)
                 kept.append(prompt)
         record["batches"], record["written"] = index + 1, record["written"] + size
         record["seconds"] += time.monotonic() - started
