@@ -56,7 +56,7 @@ lint: install
 # take about a quarter off its time on two cores. `make test TEST_WORKERS=0` runs it in one process.
 TEST_WORKERS ?= 2
 # The Coqui env (mostly a 2.5 GB download) builds in the background while the tests run; its
-# tests come late in the suite and wait for it (tests/test_tts_coqui.py reads the status file).
+# tests come late in the suite and wait for it (tests/e2e/test_tts_coqui.py reads the status file).
 COQUI_LOG := $(COQUI_VENV).log
 COQUI_STATUS := $(COQUI_VENV).status
 test: lint

@@ -237,7 +237,7 @@ async def _one(stack: FaultStack, redis, fault: Fault, pcm: bytes, references: d
 async def _inject(stack: FaultStack, redis, fault: Fault) -> None:
     """Wait for the turn to reach the fault's point, then inject it; record when and what."""
     from services.redis_store import cancel_key, read_speech_log, read_token_log, speech_stream_key, token_stream_key
-    from services.work_queue import work_key
+    from services.store.work_queue import work_key
 
     stage = "tts" if fault.kind == "tts_kill" else "llm"
     if fault.kind == "none":
@@ -288,7 +288,7 @@ async def _inject(stack: FaultStack, redis, fault: Fault) -> None:
 
 
 async def _holder(redis, stage: str, skip: set[str]) -> tuple[str, str]:
-    from services.work_queue import work_key
+    from services.store.work_queue import work_key
 
     while True:
         with contextlib.suppress(Exception):  # the stream may not exist yet

@@ -20,7 +20,7 @@ request descriptor:
 The property: every call ends OK or with a clear status (CLEAR) and a non-empty message, never
 UNKNOWN or INTERNAL; CANCELLED only after our own cancel; UNAVAILABLE only naming Redis (a server
 that died reads UNAVAILABLE too); the method's service answers its health check SERVING after every
-case; and after each method every service answers a valid request (PROBES). tests/test_fuzz.py
+case; and after each method every service answers a valid request (PROBES). tests/e2e/test_fuzz.py
 asserts it at a small size; `specvox bench fuzz --cases N` counts it at size N.
 """
 

@@ -64,7 +64,7 @@ async def _latencies(settings, synthesizer, token_ms: float) -> list[dict]:
     from services.protos import load
     from services.redis_store import EmbeddedRedis
     from services.runtime import open_redis
-    from services.tts_service import TtsServicer
+    from services.stages.tts import TtsServicer
 
     pb, pb_grpc = load("tts")
     with EmbeddedRedis() as valkey:

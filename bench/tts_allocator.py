@@ -8,7 +8,7 @@ variant: calls and seconds of audio made (relative to glibc's own allocator: the
 setting costs), USS at the end of the warm-up and at the end, its median over the last third,
 its maximum, and the growth fitted after the warm-up (bench/soak.py's rule).
 
-Variants (services/allocator.py): `glibc` (the moving mmap threshold), `fixed-4k` (blocks of
+Variants (services/server/allocator.py): `glibc` (the moving mmap threshold), `fixed-4k` (blocks of
 256 KiB and up mapped on their own, in 4 KiB pages) and `fixed-huge` (the same in transparent
 huge pages), and `fixed-32m` (the threshold where glibc's moving one ends, 32 MiB, from the
 start: every buffer from the heap, the level reached in the warm-up rather than at some later
@@ -45,7 +45,7 @@ VARIANTS = {
     "fixed-huge": GLIBC | {"SPECVOX_MALLOC_MMAP_THRESHOLD": '{"tts": 262144}', "SPECVOX_MALLOC_HUGE_PAGES": "true"},
     "fixed-32m": GLIBC | {"SPECVOX_MALLOC_MMAP_THRESHOLD": '{"tts": 33554432}', "SPECVOX_MALLOC_HUGE_PAGES": "false"},
 }
-if ctypes.util.find_library("jemalloc"):  # malloc_library: services/allocator.py
+if ctypes.util.find_library("jemalloc"):  # malloc_library: services/server/allocator.py
     VARIANTS["jemalloc"] = {"SPECVOX_MALLOC_LIBRARY": '{"tts": "jemalloc"}'}
 
 

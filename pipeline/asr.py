@@ -142,7 +142,7 @@ class SileroProbabilities:
     called every 100 ms on a growing buffer that costs O(buffer) per check (~20 ms for 3 s on
     this CPU). The model is causal: each window sees 64 samples of the one before and the
     LSTM state it left, so carrying both on gives the very same probabilities (checked in
-    tests/test_asr.py) for the new windows' cost only.
+    tests/e2e/test_asr.py) for the new windows' cost only.
     """
 
     def __init__(self) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from services.auth import credential_metadata
+from services.server.auth import credential_metadata
 from services.tls import TlsOptions, channel_credentials, channel_options
 
 Metadata = Sequence[tuple[str, str]]
@@ -59,7 +59,7 @@ def metadata_interceptors(extra: Callable[[], Metadata]) -> list[Any]:
     return [kind(extra) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
 
 
-# Functions adding metadata to every outgoing call (services/tracing.py registers the trace context).
+# Functions adding metadata to every outgoing call (services/server/tracing.py registers the trace context).
 _PROPAGATORS: list[Callable[[], Metadata]] = []
 
 

@@ -9,6 +9,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from services import SERVICE_MODULES
+
 SERVICES = ("asr", "llm", "tts", "gateway")
 START_ORDER = ("tts", "asr", "llm", "gateway")  # the gateway last: it calls the others
 
@@ -124,14 +126,14 @@ def main(argv: list[str] | None = None) -> int:
 
     settings = Settings()
     if args.command == "serve" and argv is None:  # started as a command: it may start again, tuned
-        from services import allocator
+        from services.server import allocator
 
         allocator.exec_with_tunables(settings.malloc_mmap_threshold.get(args.service, 0), settings.malloc_huge_pages,
                                      settings.malloc_library.get(args.service, ""), args.service)
     configure_logging(os.environ.get("SPECVOX_LOG_LEVEL", "WARNING" if args.command == "client" else "INFO"),
                       settings.log_format, args.service if args.command == "serve" else "")
     if args.command == "keys":
-        from services.auth import AuthConfigError, keys_command
+        from services.server.auth import AuthConfigError, keys_command
 
         if args.action != "list" and not args.name:
             parser.error(f"keys {args.action} needs a tenant{' or a hash prefix' if args.action == 'revoke' else ''}")
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"specvox keys: {e}", file=sys.stderr)
             return 2
     if args.command == "health":
-        from services.supervisor import health_probe
+        from services.server.supervisor import health_probe
 
         address = settings.address(args.address) if args.address in SERVICES else args.address
         serving = health_probe(settings)(address)
@@ -228,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _workers_arg(text: str) -> dict[str, int]:
-    from services.supervisor import parse_workers
+    from services.server.supervisor import parse_workers
 
     try:
         return parse_workers(text, SERVICES)
@@ -272,7 +274,7 @@ def serve_one(settings, service: str) -> int:
 
     from services.grpc_server import ServiceExit, run_service, set_priority
 
-    module = importlib.import_module(f"services.{service}_service")
+    module = importlib.import_module(SERVICE_MODULES[service])
     set_priority(settings, service)
     try:
         asyncio.run(run_service(settings, module.build))
@@ -284,16 +286,17 @@ def serve_one(settings, service: str) -> int:
 
 def up(settings, tts_python: str = "", stages: tuple[str, ...] = SERVICES,
        workers: dict[str, int] | None = None) -> int:
-    """Run each service (or each of `stages`) as its own processes under services/supervisor.py:
+    """Run each service (or each of `stages`) as its own processes under services/server/supervisor.py:
     models load in parallel, no shared GIL, a crashed one restarted while the others serve.
 
     The tts service may run under another interpreter: the Coqui backend's environment
     cannot share this one's torch.
     """
-    from services import auth, protos
+    from services import protos
     from services.redis_store import _without_password, default_data_dir
     from services.runtime import start_embedded_redis
-    from services.supervisor import Supervisor, health_probe, plan_children
+    from services.server import auth
+    from services.server.supervisor import Supervisor, health_probe, plan_children
 
     workers = workers or {}
     pythons = {name: sys.executable for name in SERVICES}

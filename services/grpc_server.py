@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from pipeline.audio import AudioFormatError
 from pipeline.llm.prompts import PromptTooLongError
 from pipeline.models import ModelNotFoundError
-from services.limits import LimitExceededError
+from services import SERVICE_MODULES
 from services.redis_store import (
     REDIS_DOWN,
     LogGap,
@@ -35,7 +35,8 @@ from services.redis_store import (
     UnknownTurnError,
     now_ms,
 )
-from services.work_queue import Fenced, HandBack
+from services.server.limits import LimitExceededError
+from services.store.work_queue import Fenced, HandBack
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -334,7 +335,7 @@ async def run_service(settings: Any, build: Callable[[Any], Awaitable[Service]])
     process down the same way and raises WorkerFailed, so a supervisor restarts a whole process
     rather than one that serves calls but no longer takes work.
     """
-    from services import allocator
+    from services.server import allocator
 
     allocator.tune(settings.malloc_arena_max, settings.malloc_trim_interval_s)  # before the models' threads
     service = await build(settings)
@@ -347,7 +348,7 @@ async def run_service(settings: Any, build: Callable[[Any], Awaitable[Service]])
 
 
 async def _serve(settings: Any, service: Service) -> None:
-    from services import hooks, memory_trace
+    from services.server import hooks, memory_trace
 
     name, worker_name = service.name, settings.worker_name_of(service.name)
     # so_reuseport off: a second process on a taken port fails to bind instead of sharing its calls.
@@ -452,7 +453,7 @@ def service_main(build: Callable[[Any], Awaitable[Service]]) -> None:
 
     settings = Settings()
     configure_logging(os.environ.get("SPECVOX_LOG_LEVEL", "INFO"), settings.log_format)
-    set_priority(settings, build.__module__.removeprefix("services.").removesuffix("_service"))
+    set_priority(settings, next(name for name, module in SERVICE_MODULES.items() if module == build.__module__))
     try:
         asyncio.run(run_service(settings, build))
     except ServiceExit as e:

@@ -10,7 +10,7 @@ Keys (all prefixed `sv:`):
 - `sv:turn:{turn_id}:tokens`           stream, one entry per verify step (see TokenEntry): the token log
 - `sv:turn:{turn_id}:speech`           stream, the tts output: phrases, words, audio chunks, cues (SpeechEntry)
 - `sv:turn:{turn_id}:cancel`           string: set when the turn is cancelled (barge-in, client gone)
-- `sv:work:{stage}` …                  the stages' work queues: services/work_queue.py
+- `sv:work:{stage}` …                  the stages' work queues: services/store/work_queue.py
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ log = logging.getLogger(__name__)
 
 
 def configure_logging(level: str = "INFO", fmt: str = "text", service: str = "") -> None:
-    """Text, or JSON lines with the session and turn ids (`log_format`, services/logs.py)."""
-    from services import logs
+    """Text, or JSON lines with the session and turn ids (`log_format`, services/server/logs.py)."""
+    from services.server import logs
 
     logs.configure(level, fmt, service)
 

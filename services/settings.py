@@ -17,12 +17,12 @@ from pipeline.llm.options import LlmOptions
 from pipeline.tts.backend import TtsOptions
 from pipeline.tts.phrases import PhraseOptions
 from pipeline.turn_taking import TurnTakingOptions
-from services.auth import AuthOptions
-from services.limits import LimitOptions
 from services.redis_store import RedisOptions
-from services.supervisor import SupervisorOptions
+from services.server.auth import AuthOptions
+from services.server.limits import LimitOptions
+from services.server.supervisor import SupervisorOptions
+from services.store.work_queue import WorkOptions
 from services.tls import TlsOptions
-from services.work_queue import WorkOptions
 
 CONFIG_ENV = "SPECVOX_CONFIG"
 DEFAULT_CONFIG_FILE = "specvox.toml"
@@ -34,18 +34,18 @@ class Settings(BaseSettings):
     redis_url: str | None = None  # None: start an embedded Valkey server
     # Every client's retry deadline, backoff and timeouts; the embedded Valkey's data directory.
     redis: RedisOptions = RedisOptions()
-    # How llm and tts workers share turns through Redis consumer groups (services/work_queue.py).
+    # How llm and tts workers share turns through Redis consumer groups (services/store/work_queue.py).
     work: WorkOptions = WorkOptions()
-    # API keys at the gateway, the service credential inside (services/auth.py, docs/security.md).
+    # API keys at the gateway, the service credential inside (services/server/auth.py, docs/security.md).
     auth: AuthOptions = AuthOptions()
     # Certificates: server TLS, mutual TLS, the clients' CA (services/tls.py).
     tls: TlsOptions = TlsOptions()
-    # What one API key (tenant) may hold or ask; RESOURCE_EXHAUSTED past each (services/limits.py).
+    # What one API key (tenant) may hold or ask; RESOURCE_EXHAUSTED past each (services/server/limits.py).
     limits: LimitOptions = LimitOptions()
     # Prometheus /metrics of this process on this port (0: none); `specvox up` gives the gateway
-    # this port and asr, llm, tts the next three (services/metrics.py).
+    # this port and asr, llm, tts the next three (services/server/metrics.py).
     metrics_port: int = 0
-    log_format: str = "text"  # text, or json: one object a line with session_id, turn_id (services/logs.py)
+    log_format: str = "text"  # text, or json: one object a line with session_id, turn_id (services/server/logs.py)
     host: str = "127.0.0.1"
     gateway_port: int = 50050
     asr_port: int = 50051
@@ -65,14 +65,14 @@ class Settings(BaseSettings):
     # On SIGTERM a service takes no new call and gives those in flight, and its workers, this
     # long to finish (services/grpc_server.run_service); `specvox up` SIGKILLs a child past it.
     drain_grace_s: float = 10.0
-    # How `specvox up` restarts a crashed child, when it gives up, worker ports (services/supervisor.py).
+    # How `specvox up` restarts a crashed child, when it gives up, worker ports (services/server/supervisor.py).
     supervisor: SupervisorOptions = SupervisorOptions()
     # Each service process's CPU priority (its nice value; a service not named keeps 0). The
     # stages that write replies yield the cores to asr and the gateway, whose work is small and
     # on every turn's critical path (the final transcript, the pause): 4 sessions on 2 cores gave
     # asr final p95 453 against 643 ms and pause p95 223 against 266 ms (docs/benchmarks.md).
     nice: dict[str, int] = {"llm": 10, "tts": 10}
-    # glibc's allocator in each service (services/allocator.py): arenas capped (0: glibc's default,
+    # glibc's allocator in each service (services/server/allocator.py): arenas capped (0: glibc's default,
     # 8 per core) and free pages handed back every so many seconds (0: never), so that a
     # long-running process's memory stays flat.
     malloc_arena_max: int = 2

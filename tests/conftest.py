@@ -211,10 +211,10 @@ async def llm_on_loopback(redis_url: str, options) -> AsyncIterator[LlmOnLoopbac
     import grpc
 
     from pipeline.llm.model import load_model
-    from services.llm_service import LlmServicer
     from services.protos import load
     from services.runtime import open_redis
     from services.settings import Settings
+    from services.stages.llm import LlmServicer
 
     _, llm_grpc = load("llm")
     settings = Settings(redis_url=redis_url, llm=options)

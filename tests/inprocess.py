@@ -13,8 +13,9 @@ from collections.abc import AsyncIterator
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services import hooks
+from services import SERVICE_MODULES
 from services.grpc_server import MalformedRequests, message_options, service_names
+from services.server import hooks
 from tests.conftest import free_port
 
 ORDER = ("tts", "asr", "llm", "gateway")  # the gateway last: its channels reach the others
@@ -36,7 +37,7 @@ async def serve_one(settings, name: str) -> AsyncIterator[str]:
     """One service's real `build(settings)` on its port setting, as `run_service` serves it; its address."""
     port = getattr(settings, f"{name}_port")
     draining = asyncio.Event()
-    service = await importlib.import_module(f"services.{name}_service").build(settings)
+    service = await importlib.import_module(SERVICE_MODULES[name]).build(settings)
     workers: list[asyncio.Task] = []
     server = None
     try:

@@ -1,5 +1,5 @@
 """The real tts service under run_service with one probe background worker beside its own, for
-tests/test_supervisor.py: `python -m tests.service_probe`.
+tests/e2e/test_supervisor.py: `python -m tests.service_probe`.
 
 SPECVOX_PROBE=drain (default): the probe waits for the drain Event, prints "probe: drain seen"
 and returns, as a work-queue worker stops claiming and hands back. SPECVOX_PROBE=fail: it raises
@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import os
 
-from services import tts_service
 from services.grpc_server import Service, service_main
+from services.stages import tts as tts_service
 
 
 async def probe(draining: asyncio.Event) -> None:

@@ -1,5 +1,5 @@
 """A pytest plugin (`-p tests.without_otel`): OpenTelemetry cannot be imported in this process, as
-where the `otel` extra is not installed. tests/test_metrics.py runs its real turn so."""
+where the `otel` extra is not installed. tests/e2e/test_metrics.py runs its real turn so."""
 
 from __future__ import annotations
 
@@ -20,6 +20,6 @@ for loaded in [m for m in sys.modules if m == "opentelemetry" or m.startswith("o
 
 
 def pytest_configure(config):
-    from services import tracing
+    from services.server import tracing
 
     assert not tracing.AVAILABLE, "OpenTelemetry was imported before the block"

@@ -373,7 +373,7 @@ class LeanLlama:
 
         That needs products whose rows do not depend on the rows beside them: the int4-exact
         kernel (by construction), torch's int4 kernel and `row_invariant_linear` in bfloat16
-        (tests/test_weight_kernels.py). MKL's packed float32 product is not: which kernel path a
+        (tests/e2e/test_weight_kernels.py). MKL's packed float32 product is not: which kernel path a
         pass of n rows takes depends on the CPU (one machine kept 23 rows apart, another only 3),
         so a float32 product, packed or plain, gives a token a pass of its own: 1; so does a GPU,
         where none of this was measured.

@@ -11,7 +11,7 @@ Chosen per model at load (`LeanLlama`, which runs a long prompt's prefill throug
 
 `row_invariant_linear` and `Int4Linear` are what the 16-bit configurations need: a row's
 result does not depend on how many rows share the call, so a verification pass reproduces
-plain decoding bit for bit (`tests/test_weight_kernels.py`). Torch's float32 product is
+plain decoding bit for bit (`tests/e2e/test_weight_kernels.py`). Torch's float32 product is
 not row-invariant (one row takes a matrix-vector path, two or more a matrix-matrix one),
 nor is MKL's packed one on every shape; in float32 that is rounding which has not
 changed a chosen token in any test or benchmark run.

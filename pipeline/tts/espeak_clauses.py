@@ -86,7 +86,7 @@ def _initialize(data_dir: str) -> None:
     bridge_initialize(data_dir)
 
 
-# The bridge's functions replaced (tests/test_tts.py compares with them and measures their leaks).
+# The bridge's functions replaced (tests/e2e/test_tts.py compares with them and measures their leaks).
 bridge_get_phonemes: Callable[[str], list[tuple[str, str, bool]]] | None = None
 bridge_set_voice: Callable[[str], None] | None = None
 bridge_initialize: Callable[[str], None] | None = None

@@ -1,0 +1,197 @@
+"""The asr gRPC service: a stream of audio in; voice and speech starts, partial and final transcripts out."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import numpy as np
+
+from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber
+from pipeline.asr_stream import (
+    AsrEvent,
+    PartialTranscript,
+    SharedCadence,
+    SpeechStarted,
+    StreamingRecognizer,
+    VoiceEnded,
+    VoiceStarted,
+    join_words,
+)
+from pipeline.audio import AudioStreamReader, PcmFormat, PcmStreamDecoder
+from services.grpc_server import ModelWorker, Service, StageClock, service_main, status_on_error
+from services.protos import load, load_common
+from services.redis_store import SessionStore, now_ms
+from services.runtime import open_redis
+from services.server import logs
+from services.settings import Settings
+
+pb, pb_grpc = load("asr")
+common = load_common()  # AudioFormat, Word, StageTimes (specvox.common.v1)
+Kind = pb.TranscriptEvent.Kind
+END = object()
+MAX_PROMPT_CHARS = 400  # a Context's phrases in all: ~100 tokens, well inside whisper's 223
+
+
+class WireAudioDecoder:
+    """The stream's audio bytes, in their declared framing, as mono float32 at 16 kHz."""
+
+    def __init__(self, fmt: common.AudioFormat) -> None:
+        declared = PcmFormat(fmt.sample_rate_hz, fmt.channels or 1, fmt.sample_width_bytes or 2)
+        self.reader = AudioStreamReader(fmt.encoding, declared)
+        self._decoder: PcmStreamDecoder | None = None
+
+    def feed(self, chunk: bytes) -> np.ndarray:
+        pcm = self.reader.feed(chunk)
+        if self.reader.format is None:
+            return np.zeros(0, np.float32)
+        if self._decoder is None:
+            self._decoder = PcmStreamDecoder(self.reader.format, SAMPLE_RATE_HZ)
+        return self._decoder.feed(pcm)
+
+    def finish(self) -> np.ndarray:
+        self.reader.finish()
+        assert self._decoder is not None  # a complete header or PCM always makes one
+        return self._decoder.finish()
+
+
+class AsrServicer(pb_grpc.AsrServicer):
+    def __init__(self, options: AsrOptions, sessions: SessionStore) -> None:
+        self.options = options
+        self.sessions = sessions
+        self.transcriber = Transcriber(options)
+        self.worker = ModelWorker("asr")
+        # The streams' VAD, apart from whisper: a voice onset (which pauses the avatar) is heard
+        # at its check, not after the whisper pass of another stream in progress.
+        self.listener = ModelWorker("asr-vad")
+        self.cadence = SharedCadence()  # the partial passes of this thread's streams, shared out
+
+    async def Transcribe(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator:
+        clock = StageClock("asr")
+        async with status_on_error(context, "asr"):
+            config = await _first_config(request_iterator)
+            logs.bind(session_id=config.session_id)
+            await self.sessions.require(config.session_id)
+            decoder = WireAudioDecoder(config.format)
+            language = self.transcriber.check_language(config.language) if config.language else None
+            recognizer = StreamingRecognizer(self.options, self.transcriber, language, self.cadence)
+            yield pb.TranscriptEvent(kind=Kind.READY, emitted_unix_ms=now_ms())
+            chunks: asyncio.Queue = asyncio.Queue()
+            reader = asyncio.create_task(_read_audio(request_iterator, chunks, clock))
+            try:
+                ended = False
+                while not ended:
+                    audio, prompt, ended = await _take_all(chunks)
+                    if prompt is not None:
+                        recognizer.prompt = prompt
+                    for event in await self._hear(recognizer, decoder.feed(audio)):
+                        yield _event(clock, event)
+                events = await self._hear(recognizer, decoder.finish())
+                events += await self.worker.call(recognizer.finish)
+                for event in events:
+                    yield _event(clock, event)
+            finally:
+                reader.cancel()
+                recognizer.close()
+
+    async def _hear(self, recognizer: StreamingRecognizer, samples: np.ndarray) -> list[AsrEvent]:
+        """The VAD's events on the listener thread, then the passes due (if any) on the model thread."""
+        events = await self.listener.call(recognizer.listen, samples)
+        if recognizer.transcription_due:
+            return events + await self.worker.call(recognizer.transcribe)
+        return events + recognizer.transcribe()
+
+
+async def _read_audio(request_iterator, chunks: asyncio.Queue, clock: StageClock) -> None:
+    """Client audio (and contexts, as whisper's prompt) → queue, so that audio arriving during a
+    transcription pass is taken in one go."""
+    try:
+        async for request in request_iterator:
+            kind = request.WhichOneof("payload")
+            if kind == "context":
+                chunks.put_nowait(prompt_of(request.context))
+                continue
+            if kind != "audio":
+                raise ValueError("only audio or a context may follow the stream's config message")
+            clock.received()
+            chunks.put_nowait(request.audio)
+        chunks.put_nowait(END)
+    except Exception as e:  # noqa: BLE001 - raised again where the stream is answered
+        chunks.put_nowait(e)
+
+
+def prompt_of(context: pb.Context) -> str:
+    """The phrases as one prompt ("Mm-hmm. Yeah."); ValueError past MAX_PROMPT_CHARS (Whisper's
+    prompt holds at most 223 tokens, and it is decoded again on every pass)."""
+    phrases = [p.strip() for p in context.expected_phrases if p.strip()]
+    prompt = " ".join(p if p[-1] in ".?!," else f"{p}." for p in phrases)
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise ValueError(f"context.expected_phrases: {len(prompt)} characters in all, at most {MAX_PROMPT_CHARS}")
+    return prompt
+
+
+async def _take_all(chunks: asyncio.Queue) -> tuple[bytes, str | None, bool]:
+    """Everything queued (waiting for at least one item): the audio, the last prompt sent with it
+    (None: unchanged), and True once the client's stream ended."""
+    items = [await chunks.get()]
+    while not chunks.empty():
+        items.append(chunks.get_nowait())
+    for item in items:
+        if isinstance(item, Exception):
+            raise item
+    prompts = [i for i in items if isinstance(i, str)]
+    audio = b"".join(i for i in items if isinstance(i, bytes))
+    return audio, (prompts[-1] if prompts else None), END in items
+
+
+def _event(clock: StageClock, event: AsrEvent) -> pb.TranscriptEvent:
+    clock.emitted()
+    if isinstance(event, VoiceStarted):  # speech_start_s: where the voice began in the stream's audio
+        return pb.TranscriptEvent(kind=Kind.VOICE_STARTED, speech_start_s=event.speech_start_s,
+                                  heard_s=event.heard_s, emitted_unix_ms=now_ms())
+    if isinstance(event, VoiceEnded):
+        return pb.TranscriptEvent(kind=Kind.VOICE_ENDED, heard_s=event.heard_s, emitted_unix_ms=now_ms())
+    if isinstance(event, SpeechStarted):
+        return pb.TranscriptEvent(kind=Kind.SPEECH_STARTED, speech_start_s=event.heard_s,
+                                  utterance_index=event.utterance_index, heard_s=event.heard_s,
+                                  emitted_unix_ms=now_ms())
+    if isinstance(event, PartialTranscript):
+        return pb.TranscriptEvent(
+            kind=Kind.PARTIAL, text=event.text, words=_words((*event.committed, *event.tentative)),
+            committed_text=join_words(event.committed), tentative_text=join_words(event.tentative),
+            stability=event.stability, committed_words=len(event.committed), speech_ending=event.speech_ending,
+            speech_start_s=event.speech_start_s, speech_end_s=event.speech_end_s,
+            utterance_index=event.utterance_index, heard_s=event.heard_s, emitted_unix_ms=now_ms(),
+        )
+    utterance = event.utterance
+    return pb.TranscriptEvent(
+        kind=Kind.FINAL, text=event.text, words=_words(event.words), committed_text=event.text,
+        stability=1.0, committed_words=len(event.words),
+        speech_start_s=utterance.speech_start_s, speech_end_s=utterance.speech_end_s,
+        utterance_index=utterance.index, emitted_unix_ms=now_ms(), times=clock.to_proto(common.StageTimes),
+    )
+
+
+def _words(words) -> list[common.Word]:
+    return [common.Word(text=w.text, start_s=w.start_s, end_s=w.end_s, probability=w.probability) for w in words]
+
+
+async def _first_config(request_iterator) -> pb.StreamConfig:
+    async for request in request_iterator:
+        if request.WhichOneof("payload") != "config":
+            raise ValueError("the first message of a Transcribe stream must be its config")
+        return request.config
+    raise ValueError("the stream ended before its config message")
+
+
+async def build(settings: Settings) -> Service:
+    """The asr service for run_service: whisper and the VAD loaded and warmed before it serves."""
+    redis = await open_redis(settings)
+    servicer = AsrServicer(settings.asr, redis.sessions)
+    servicer.transcriber.warm_up()
+    return Service("asr", lambda server: pb_grpc.add_AsrServicer_to_server(servicer, server), close=redis.close)
+
+
+if __name__ == "__main__":
+    service_main(build)

@@ -1,0 +1,423 @@
+"""Streaming recognition: LocalAgreement on given hypotheses, then partials and finals on real speech."""
+
+from __future__ import annotations
+
+import random
+from itertools import pairwise
+
+import jiwer
+import numpy as np
+import pytest
+
+from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber, Utterance, Word
+from pipeline.asr_stream import (
+    FinalTranscript,
+    LocalAgreement,
+    PartialTranscript,
+    SharedCadence,
+    SpeechStarted,
+    StreamingRecognizer,
+    VoiceEnded,
+    VoiceStarted,
+    normalised_text,
+    spoken_words,
+)
+from pipeline.audio import AudioFormatError, PcmFormat, PcmStreamDecoder
+from pipeline.captions import cues_from_words
+
+
+def words(text: str, start_s: float = 0.0, step_s: float = 0.3) -> list[Word]:
+    return [Word(f" {t}", start_s + i * step_s, start_s + i * step_s + 0.25, 0.9) for i, t in enumerate(text.split())]
+
+
+def texts(ws) -> list[str]:
+    return [w.text.strip() for w in ws]
+
+
+def test_a_word_is_committed_once_two_hypotheses_agree_and_never_taken_back():
+    agreement = LocalAgreement(n=2)
+    assert agreement.update(words("can you")) == []  # one hypothesis agrees with nothing yet
+    assert texts(agreement.tentative) == ["can", "you"]
+    assert texts(agreement.update(words("can you record"))) == ["can", "you"]
+    assert texts(agreement.tentative) == ["record"]
+    assert agreement.update(words("can you recommend a")) == []  # "record" was never agreed on
+    assert texts(agreement.update(words("Can you recommend a good book"))) == ["recommend", "a"]
+    # A pass that changes its mind about committed words cannot take them back.
+    agreement.update(words("can I recommend a good book for"))
+    assert texts(agreement.committed)[:4] == ["can", "you", "recommend", "a"]
+    final = agreement.finish(words("can you recommend a good book for a long train ride?"))
+    assert " ".join(texts(final)) == "can you recommend a good book for a long train ride?"
+    assert agreement.committed == [] and agreement.tentative == []  # ready for the next utterance
+
+
+def test_words_repeated_at_the_head_of_a_hypothesis_are_not_committed_twice():
+    agreement = LocalAgreement(n=2)
+    agreement.update(words("good morning"))
+    agreement.update(words("good morning"))
+    assert texts(agreement.committed) == ["good", "morning"]
+    # Timings jitter: "morning" now starts inside the committed "morning".
+    jittered = [Word(" good", 0.0, 0.25, 0.9), Word(" morning", 0.28, 0.55, 0.9), Word(" to", 0.6, 0.8, 0.9)]
+    assert texts(agreement.unseen(jittered)) == ["to"]
+
+
+def test_local_agreement_3_needs_three_hypotheses():
+    agreement = LocalAgreement(n=3)
+    assert agreement.update(words("one two")) == [] and agreement.update(words("one two")) == []
+    assert texts(agreement.update(words("one two three"))) == ["one", "two"]
+
+
+def test_committed_words_only_grow_under_random_hypotheses():
+    rng = random.Random(4)
+    vocabulary = "the a cat sat on mat hat bat".split()
+    for _ in range(50):
+        agreement = LocalAgreement(n=2)
+        truth = [rng.choice(vocabulary) for _ in range(12)]
+        before: list[Word] = []
+        for length in range(1, 13):
+            noisy = [w if rng.random() > 0.2 else rng.choice(vocabulary) for w in truth[:length]]
+            agreement.update(words(" ".join(noisy)))
+            assert agreement.committed[: len(before)] == before
+            before = list(agreement.committed)
+
+
+def test_normalised_text_ignores_case_and_punctuation():
+    assert normalised_text("What is the capital of France?") == normalised_text(" what is the Capital, of france")
+    assert normalised_text("Is it ten?") != normalised_text("Is it ten past?")
+
+
+@pytest.fixture(scope="module")
+def transcriber():
+    return Transcriber(AsrOptions())
+
+
+def stream(recognizer: StreamingRecognizer, audio: np.ndarray, chunk_s: float = 0.1) -> list:
+    step = int(chunk_s * SAMPLE_RATE_HZ)
+    events = []
+    for i in range(0, audio.size, step):
+        events += recognizer.feed(audio[i : i + step])
+    return events + recognizer.finish()
+
+
+def check_stream_invariants(events: list, audio_s: float) -> None:
+    """Committed words are never taken back, and every word lies inside the audio, in order."""
+    committed: dict[int, list[str]] = {}
+    for event in events:
+        if isinstance(event, PartialTranscript):
+            before = committed.get(event.utterance_index, [])
+            now = texts(event.committed)
+            assert now[: len(before)] == before, (before, now)
+            committed[event.utterance_index] = now
+            assert 0.0 <= event.stability <= 1.0
+        elif isinstance(event, FinalTranscript):
+            before = committed.pop(event.utterance.index, [])
+            assert texts(event.words)[: len(before)] == before, (before, texts(event.words))
+            starts = [w.start_s for w in event.words]
+            assert starts == sorted(starts)
+            assert all(0.0 <= w.start_s <= w.end_s <= audio_s + 0.01 for w in event.words)
+
+
+def finals(events: list) -> list[FinalTranscript]:
+    return [e for e in events if isinstance(e, FinalTranscript)]
+
+
+@pytest.mark.parametrize(("voice", "max_wer"), [("speech", 0.10), ("espeak", 0.35)])
+def test_two_utterances_stream_partials_then_finals(request, transcriber, voice, max_wer):
+    make = request.getfixturevalue(voice)
+    first, second = "Can you recommend a good book for a long train ride?", "Thank you very much."
+    gap = np.zeros(SAMPLE_RATE_HZ, np.float32)
+    audio = np.concatenate([gap, make(first), gap, make(second), gap])
+    events = stream(StreamingRecognizer(AsrOptions(), transcriber), audio)
+
+    check_stream_invariants(events, audio.size / SAMPLE_RATE_HZ)
+    done = finals(events)
+    assert [f.utterance.index for f in done] == [0, 1]  # both turns, each closed by its silence
+    assert [e.utterance_index for e in events if isinstance(e, SpeechStarted)] == [0, 1]
+    hypothesis = " ".join(normalised_text(f.text) for f in done)
+    assert jiwer.wer(normalised_text(f"{first} {second}"), hypothesis) < max_wer, hypothesis
+    partials = [e for e in events if isinstance(e, PartialTranscript) and e.utterance_index == 0]
+    assert len(partials) >= 3 and any(p.committed for p in partials)
+    assert done[0].words[-1].end_s <= done[1].words[0].start_s
+
+
+def test_a_partial_every_200_ms_of_speech_then_one_pass_in_the_silence(speech, transcriber):
+    options = AsrOptions(end_of_speech_silence_ms=1000)  # the utterance stays open through the silence
+    audio = np.concatenate([speech("Tell me something interesting about the moon."),
+                            np.zeros(SAMPLE_RATE_HZ * 3 // 4, np.float32)])
+    events = stream(StreamingRecognizer(options, transcriber), audio)  # 100 ms chunks
+    partials = [e for e in events if isinstance(e, PartialTranscript)]
+    speaking = [p.heard_s for p in partials if p.heard_s == p.speech_end_s]  # no silence heard yet
+    assert len(speaking) >= 5 and np.allclose(np.diff(speaking), options.partial_every_ms / 1000)
+    # Silence begun: passes stop but for the one that hears final_reuse_margin_ms of it, and the final reuses it.
+    in_silence = [p for p in partials if p.heard_s > p.speech_end_s]
+    assert [p.speech_ending for p in in_silence] == [True] and in_silence[0] is partials[-1]
+    (final,) = finals(events)
+    assert final.reused_partial and final.words == (*in_silence[0].committed, *in_silence[0].tentative)
+
+
+def test_streams_speaking_at_once_share_the_partial_passes_and_no_final_waits(speech, transcriber):
+    """Two users speaking at once on one asr thread: each stream's partials come twice as far apart
+    (the thread's passes stay one per partial_every_ms), the pass at the first silence and the
+    finals are not delayed, and a stream alone again gets the full cadence."""
+    options = AsrOptions()
+    audio = np.concatenate([speech("Tell me something interesting about the moon."),
+                            np.zeros(SAMPLE_RATE_HZ, np.float32)])
+    alone = stream(StreamingRecognizer(options, transcriber), audio)
+    cadence = SharedCadence()
+    first, second = (StreamingRecognizer(options, transcriber, cadence=cadence) for _ in range(2))
+    together: tuple[list, list] = ([], [])
+    step = SAMPLE_RATE_HZ // 10
+    for i in range(0, audio.size, step):
+        for recognizer, events in zip((first, second), together, strict=True):
+            events += recognizer.feed(audio[i : i + step])
+    for recognizer, events in zip((first, second), together, strict=True):
+        events += recognizer.finish()
+
+    def speaking(events) -> list[float]:  # partials heard before any silence
+        return [e.heard_s for e in events if isinstance(e, PartialTranscript) and e.heard_s == e.speech_end_s]
+
+    for events in together:
+        assert np.allclose(np.diff(speaking(events)), 2 * options.partial_every_ms / 1000)
+        assert len(speaking(events)) < len(speaking(alone))
+        # The final comes at the same point of the stream, from a pass that heard the same silence.
+        assert [(f.utterance.speech_end_s, f.reused_partial) for f in finals(events)] == [
+            (f.utterance.speech_end_s, f.reused_partial) for f in finals(alone)]
+    assert cadence.streams == 1  # both finished: neither holds a share
+    second.close()
+    again = stream(StreamingRecognizer(options, transcriber, cadence=cadence), audio)
+    assert speaking(again) == speaking(alone)
+
+
+def test_silence_only_gives_no_events(transcriber):
+    assert stream(StreamingRecognizer(AsrOptions(), transcriber), np.zeros(5 * SAMPLE_RATE_HZ, np.float32)) == []
+
+
+def test_noise_only_gives_no_transcript(transcriber):
+    noise = np.random.default_rng(7).normal(0, 0.05, 5 * SAMPLE_RATE_HZ).astype(np.float32)
+    events = stream(StreamingRecognizer(AsrOptions(), transcriber), noise)
+    assert all(not f.text for f in finals(events)), [f.text for f in finals(events)]
+
+
+def test_clipped_speech_is_still_transcribed(speech, transcriber):
+    text = "Good morning to you."
+    clipped = np.clip(speech(text) * 8.0, -0.5, 0.5)  # hard clipping, far beyond full scale
+    events = stream(StreamingRecognizer(AsrOptions(), transcriber), clipped)
+    check_stream_invariants(events, clipped.size / SAMPLE_RATE_HZ)
+    assert [normalised_text(f.text) for f in finals(events)] == ["good morning to you"]
+
+
+def test_a_stream_that_ends_mid_utterance_still_gets_its_final(speech, transcriber):
+    audio = speech("Good morning to you, my friend")[: -int(0.4 * SAMPLE_RATE_HZ)]  # no trailing silence
+    # 250 ms: the comma's pause (~0.2 s) stays inside the utterance, which the stream then cuts off
+    recognizer = StreamingRecognizer(AsrOptions(end_of_speech_silence_ms=250), transcriber)
+    step = SAMPLE_RATE_HZ // 10
+    during = [e for i in range(0, audio.size, step) for e in recognizer.feed(audio[i : i + step])]
+    assert finals(during) == []
+    at_end = recognizer.finish()
+    assert len(at_end) == 1 and normalised_text(at_end[0].text).startswith("good morning")
+
+
+def test_rates_outside_8_to_48_khz_and_odd_byte_counts_are_rejected():
+    with pytest.raises(AudioFormatError, match="sample rate 7 Hz"):
+        PcmStreamDecoder(PcmFormat(7), SAMPLE_RATE_HZ)
+    decoder = PcmStreamDecoder(PcmFormat(16_000), SAMPLE_RATE_HZ)
+    decoder.feed(b"\x00\x01\x02")
+    with pytest.raises(AudioFormatError, match="stray byte"):
+        decoder.finish()
+
+
+def test_caption_cues_for_the_users_words_break_at_pauses_and_line_length():
+    spoken = words("what is the capital of France", step_s=0.3) + words("thanks", start_s=3.0)
+    cues = cues_from_words(spoken, max_chars=20)
+    assert [c.text for c in cues] == ["what is the capital", "of France", "thanks"]
+    assert cues[0].start_s == 0.0 and cues[-1].end_s == pytest.approx(3.25)
+    assert all(a.end_s <= b.start_s for a, b in pairwise(cues))
+
+
+def test_words_at_the_edge_of_the_heard_audio_stay_tentative():
+    agreement = LocalAgreement(n=2)
+    agreement.update(words("good morning to"))  # ends at 0.85 s
+    assert texts(agreement.update(words("good morning to"), settled_until_s=0.6)) == ["good", "morning"]
+    assert texts(agreement.tentative) == ["to"]
+
+
+def test_words_whisper_adds_to_the_silence_after_the_speech_are_dropped():
+    utterance = Utterance(0, speech_start_s=0.5, speech_end_s=2.0, audio=np.zeros(1, np.float32))
+    hypothesis = [Word(" how", 0.5, 0.8, 0.3), Word(" now?", 0.8, 1.9, 0.95), Word(" And", 1.9, 1.95, 0.3),
+                  Word(" see", 2.1, 2.1, 0.9), Word(" you", 2.1, 2.1, 0.9)]
+    assert texts(spoken_words(hypothesis, utterance)) == ["how", "now?", "And"]  # begun in silence: gone
+    # Once the speech has ended, an unsure last word goes too; an unsure word inside the speech stays.
+    assert texts(spoken_words(hypothesis, utterance, ended=True, tail_min_probability=0.5)) == ["how", "now?"]
+    assert texts(spoken_words(hypothesis, utterance, ended=False, tail_min_probability=0.5)) == ["how", "now?", "And"]
+    # An unsure last word begun well inside the speech is a real one whisper misheard ("Why do cats [purr]?").
+    # "And" began 0.1 s before the end of speech: still whisper's.
+    assert texts(spoken_words(hypothesis, utterance, True, 0.5, tail_inside_s=0.15)) == ["how", "now?"]
+    unsure_last = [Word(" why", 0.5, 1.5, 0.9), Word(" purr?", 1.75, 2.05, 0.12)]  # begins 0.25 s before the end
+    assert texts(spoken_words(unsure_last, utterance, True, 0.3, tail_inside_s=0.15)) == ["why", "purr?"]
+    assert texts(spoken_words(unsure_last, utterance, True, 0.3)) == ["why"]  # by probability alone it went
+    # The utterance said once more, every word aligned to one instant at the end of the speech.
+    again = [Word(" how", 0.5, 0.8, 0.9), Word(" now?", 0.8, 1.95, 0.9), Word(" How", 1.95, 1.95, 0.8),
+             Word(" now?", 1.95, 1.95, 0.95)]
+    assert texts(spoken_words(again, utterance, ended=True, tail_min_probability=0.5)) == ["how", "now?"]
+
+
+def test_whispers_copy_of_the_last_words_goes_though_its_last_word_has_frames():
+    """A barge-in over the avatar ("Wait, what about boots?", 2026-12-05) came out "what about? what about?
+    boots?": the pass at the pause after "about" ended with whisper's copy of the words, "what" at one
+    instant and "about?" 20 ms long, so the trailing trim stopped at "about?" (these are that pass's words)."""
+    at_pause = Utterance(3, speech_start_s=7.936, speech_end_s=8.32, audio=np.zeros(1, np.float32))
+    copied = [Word(" what", 7.636, 8.096, 0.24), Word(" about?", 8.096, 8.236, 0.97),
+              Word(" what", 8.236, 8.236, 0.17), Word(" about?", 8.236, 8.256, 0.98)]
+    assert texts(spoken_words(copied, at_pause, True, 0.3, 0.15)) == ["what", "about?"]
+    assert texts(spoken_words(copied, at_pause, ended=False)) == texts(copied)  # a partial's tail stays tentative
+    # LocalAgreement commits what two passes agree on, and the pass at a pause settles every word: the
+    # partial before it (the words heard by then after a copy at the audio's first instant) agreed on all four.
+    before = [Word(" what", 7.636, 7.636, 0.27), Word(" about?", 7.636, 7.636, 0.96),
+              Word(" What", 7.636, 7.636, 0.72), Word(" about?", 7.636, 7.636, 0.99),
+              Word(" What", 7.936, 8.036, 0.87), Word(" about", 8.036, 8.176, 0.99)]
+    agreement = LocalAgreement(n=2)
+    agreement.update(spoken_words(before, at_pause), settled_until_s=8.2 - 0.3)
+    agreement.update(spoken_words(copied, at_pause, True, 0.3, 0.15))
+    assert texts(agreement.committed) == ["what", "about?"]
+    # The same barge-in fed in 20 ms chunks: three words copied, the last one 120 ms long.
+    ended = Utterance(3, speech_start_s=7.936, speech_end_s=8.86, audio=np.zeros(1, np.float32))
+    copied = [Word(" What", 7.636, 8.096, 0.7), Word(" about", 8.096, 8.376, 0.97),
+              Word(" boots?", 8.416, 8.616, 0.79), Word(" What", 8.616, 8.616, 0.66),
+              Word(" about", 8.616, 8.616, 0.99), Word(" boots?", 8.616, 8.736, 0.99)]
+    assert texts(spoken_words(copied, ended, True, 0.3, 0.15)) == ["What", "about", "boots?"]
+    # Said twice, each word timed: a real repetition stays.
+    twice = [Word(" bye", 8.2, 8.4, 0.9), Word(" bye.", 8.5, 8.8, 0.9)]
+    assert texts(spoken_words(twice, ended, True, 0.3, 0.15)) == ["bye", "bye."]
+
+
+def test_the_last_hypothesis_ends_the_utterance_without_its_words_twice():
+    agreement = LocalAgreement(n=2)
+    # Whisper's repeat of the utterance, every word at one instant: unseen() would take all six again.
+    said = words("tell me about the moon now")
+    stacked = [*said, *(Word(w.text, 1.8, 1.8, 0.9) for w in said)]
+    agreement.update(stacked)
+    agreement.update(stacked)  # all agreed, all committed
+    assert texts(agreement.finish()) == texts(stacked)  # no hypothesis: the last one given to update
+    agreement.update(words("good morning"))
+    agreement.update(words("good morning to you"))
+    assert texts(agreement.finish()) == ["good", "morning", "to", "you"]
+
+
+def speech_onset_s(audio: np.ndarray, level: float = 0.01) -> float:
+    """Where speech really begins in the audio: the first 5 ms whose RMS reaches `level` (-40 dBFS)."""
+    frames = audio[: audio.size // 80 * 80].reshape(-1, 80)
+    return float(np.argmax(np.sqrt((frames**2).mean(axis=1)) >= level)) * 80 / SAMPLE_RATE_HZ
+
+
+@pytest.mark.parametrize("voice", ["speech", "espeak"])
+@pytest.mark.parametrize("chunk_ms", [20, 100])
+def test_voice_is_reported_soon_after_speech_begins_and_before_speech_starts(request, transcriber, voice, chunk_ms):
+    """VoiceStarted comes at the first VAD check after voice_start_ms (two Silero windows) of voice:
+    measured 64-195 ms after the speech's first sound in the audio (p95 ~150 ms with 20 ms chunks,
+    ~190 ms with 100 ms chunks), where SpeechStarted needs speech_start_ms (~100-160 ms later)."""
+    audio = request.getfixturevalue(voice)("Can you recommend a good book for a long train ride?")
+    onset_s = speech_onset_s(audio)
+    events = stream(StreamingRecognizer(AsrOptions(), transcriber), audio, chunk_s=chunk_ms / 1000)
+    kinds = [type(e) for e in events]
+    assert kinds[:2] == [VoiceStarted, SpeechStarted] and kinds[-1] is FinalTranscript
+    assert kinds.count(VoiceStarted) == 1 and VoiceEnded not in kinds  # one voice, and it became the utterance
+    voice_started, speech_started = events[0], events[1]
+    assert -0.05 <= voice_started.speech_start_s - onset_s <= 0.1  # where the VAD's first voiced window is
+    delay_s = voice_started.heard_s - onset_s
+    assert 0.0 < delay_s <= 0.2 + (chunk_ms - 20) / 1000, delay_s  # the gateway's goal: a pause within 250 ms
+    assert speech_started.heard_s - voice_started.heard_s >= 0.09
+    assert finals(events)[0].utterance.speech_start_s == pytest.approx(voice_started.speech_start_s, abs=1e-9)
+
+
+def clipped(audio: np.ndarray, ms: int) -> np.ndarray:
+    """The first `ms` of the speech in `audio`: a word cut off, as a cough or a false start sounds to a VAD."""
+    start = round(speech_onset_s(audio) * SAMPLE_RATE_HZ)
+    return audio[start : start + ms * SAMPLE_RATE_HZ // 1000]
+
+
+@pytest.mark.parametrize("voice", ["speech", "espeak"])
+@pytest.mark.parametrize(("word", "ms"), [("Yeah", 60), ("No", 100), ("Hello", 150)])
+@pytest.mark.parametrize("chunk_ms", [20, 100])
+def test_a_burst_of_voice_starts_and_ends_without_an_utterance(request, transcriber, voice, word, ms, chunk_ms):
+    gap = np.zeros(SAMPLE_RATE_HZ // 2, np.float32)
+    audio = np.concatenate([gap, clipped(request.getfixturevalue(voice)(word), ms), gap, gap])
+    events = stream(StreamingRecognizer(AsrOptions(), transcriber), audio, chunk_s=chunk_ms / 1000)
+    assert [type(e) for e in events] == [VoiceStarted, VoiceEnded]
+    started, ended = events
+    assert 0.0 < started.heard_s - 0.5 <= 0.1 + chunk_ms / 1000  # within the burst, or the chunk that ends it
+    # its end: end_of_speech_silence_ms after the voice stopped (Silero trails the sound by a window or two)
+    assert 0.15 <= ended.heard_s - 0.5 - ms / 1000 <= 0.3 + chunk_ms / 1000
+
+
+def test_noise_gives_no_voice(transcriber):
+    rng = np.random.default_rng(1)
+    gap = np.zeros(SAMPLE_RATE_HZ // 2, np.float32)
+    bursts = [rng.normal(0, 0.3, n).astype(np.float32) * np.hanning(n).astype(np.float32) for n in (960, 2400, 4800)]
+    audio = np.concatenate([gap, *(np.concatenate([b, gap]) for b in bursts)])
+    assert stream(StreamingRecognizer(AsrOptions(), transcriber), audio, chunk_s=0.02) == []
+
+
+def test_voice_between_utterances_is_reported_in_stream_order(speech, transcriber):
+    """Two utterances with a cut-off word between them: each voice is reported once; the two that
+    become utterances get SpeechStarted after it and no VoiceEnded, the burst VoiceEnded."""
+    gap = np.zeros(SAMPLE_RATE_HZ // 2, np.float32)
+    audio = np.concatenate([speech("Can you recommend a good book?"), gap, clipped(speech("Yeah"), 100), gap,
+                            speech("Thank you very much.")])
+    for chunk_s in (0.02, 0.1, 0.5):  # 0.5: checks that see an utterance's end and the next voice at once
+        events = stream(StreamingRecognizer(AsrOptions(), transcriber), audio, chunk_s)
+        kinds = [type(e).__name__ for e in events if not isinstance(e, PartialTranscript)]
+        assert kinds == ["VoiceStarted", "SpeechStarted", "FinalTranscript", "VoiceStarted", "VoiceEnded",
+                         "VoiceStarted", "SpeechStarted", "FinalTranscript"], (chunk_s, kinds)
+        starts = [e.speech_start_s for e in events if isinstance(e, VoiceStarted)]
+        assert starts == sorted(starts)
+        assert [normalised_text(f.text) for f in finals(events)] == ["can you recommend a good book",
+                                                                     "thank you very much"]
+
+
+def test_voice_events_map_onto_the_asr_protos_shared_types():
+    from services.grpc_server import StageClock
+    from services.stages.asr import Kind, _event, common
+
+    clock = StageClock("asr")
+    started = _event(clock, VoiceStarted(speech_start_s=1.216, heard_s=1.4))
+    assert (started.kind, started.speech_start_s, started.heard_s) == (Kind.VOICE_STARTED, 1.216, 1.4)
+    ended = _event(clock, VoiceEnded(heard_s=1.8))
+    assert (ended.kind, ended.heard_s) == (Kind.VOICE_ENDED, 1.8)
+    utterance = Utterance(0, 1.216, 2.0, np.zeros(1, np.float32))
+    final = _event(clock, FinalTranscript(utterance, tuple(words("hello there", 1.3)), reused_partial=False))
+    assert isinstance(final.words[0], common.Word) and isinstance(final.times, common.StageTimes)
+    assert final.times.first_out_unix_ms > 0 and final.text == "hello there"
+
+
+class CountedTranscriber(Transcriber):
+    """The real transcriber, counting its passes."""
+
+    passes = 0
+
+    def transcribe(self, *args, **kwargs):
+        self.passes += 1
+        return super().transcribe(*args, **kwargs)
+
+
+def test_listen_hears_the_voice_without_whisper_and_transcribe_gives_what_feed_would(speech, transcriber):
+    """The asr service runs `listen` (the VAD) off the model thread and `transcribe` on it only
+    when a pass is due: the events are feed's, in feed's order, and no pass ran in `listen`."""
+    gap = np.zeros(SAMPLE_RATE_HZ // 2, np.float32)
+    audio = np.concatenate([gap, speech("Good morning to you."), gap, speech("Thank you very much."), gap])
+    counted = CountedTranscriber(AsrOptions())
+    recognizer = StreamingRecognizer(AsrOptions(), counted)
+    step = SAMPLE_RATE_HZ // 20
+    events, onset_passes = [], None
+    for i in range(0, audio.size, step):
+        before = counted.passes
+        heard = recognizer.listen(audio[i : i + step])
+        assert counted.passes == before  # the VAD alone
+        if onset_passes is None and any(isinstance(e, VoiceStarted) for e in heard):
+            onset_passes = counted.passes  # the voice onset came out before any transcription
+        due = recognizer.transcription_due
+        events += heard + recognizer.transcribe()
+        assert (counted.passes > before) == due
+    events += recognizer.finish()
+    assert onset_passes == 0
+    fed = stream(StreamingRecognizer(AsrOptions(), transcriber), audio, chunk_s=0.05)
+    assert list(map(repr, events)) == list(map(repr, fed))  # an Utterance's audio is left out of its repr
+    assert [normalised_text(f.text) for f in finals(events)] == ["good morning to you", "thank you very much"]
