@@ -1,4 +1,5 @@
-# specvox: `make demo` sets up and runs one spoken turn; `make test` runs the test suite.
+# specvox: `make demo` sets up and runs one spoken turn; `make test` runs the test suite (lint first),
+# `make test-fast` its unit and service tests alone.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -7,7 +8,7 @@ COQUI_VENV ?= .venv-coqui
 # (its tests then skip, except in CI, where they fail).
 COQUI ?= coqui
 
-.PHONY: install coqui protos demo test lint up clean
+.PHONY: install coqui protos demo test test-fast lint up clean
 
 install: $(VENV)/.installed services/gen/.built
 
@@ -55,6 +56,7 @@ lint: install
 # on real time (speech streamed like a microphone, services starting), so two files at once
 # take about a quarter off its time on two cores. `make test TEST_WORKERS=0` runs it in one process.
 TEST_WORKERS ?= 2
+PYTEST_WORKERS := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 # The Coqui env (mostly a 2.5 GB download) builds in the background while the tests run; its
 # tests come late in the suite and wait for it (tests/e2e/test_tts_coqui.py reads the status file).
 COQUI_LOG := $(COQUI_VENV).log
@@ -65,8 +67,14 @@ test: lint
 	  ( $(MAKE) --no-print-directory $(COQUI) > $(COQUI_LOG) 2>&1; echo $$? > $(COQUI_STATUS) ) & ) \
 	SPECVOX_COQUI_PYTHON=$(abspath $(COQUI_VENV))/bin/python \
 	$(if $(COQUI),SPECVOX_COQUI_BUILD_STATUS=$(abspath $(COQUI_STATUS))) \
-	$(BIN)/python -m pytest $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile); \
+	$(BIN)/python -m pytest $(PYTEST_WORKERS); \
 	status=$$?; wait; exit $$status
+
+# The tests come in three levels: tests/unit (no servers, no models), tests/service (a real
+# Valkey, no models) and tests/e2e (the bundled models, the real stack). `make test` runs all
+# three; `make test-fast` the first two, in about half a minute on two cores (no lint, no Coqui env).
+test-fast: install
+	$(BIN)/python -m pytest tests/unit tests/service $(PYTEST_WORKERS)
 
 up: install
 	$(BIN)/specvox up

@@ -30,6 +30,7 @@ can be compared. Per clip and variant:
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import shutil
@@ -245,3 +246,17 @@ def print_comparison(summaries: dict[str, dict]) -> None:
               f"| {s['partial_p50_ms_p50']} / {s['partial_gap_ms_p50']} / {s['partial_gap_ms_p95']} "
               f"| {s['rtf_all']} / {s['rtf_p50']} / {s['rtf_speech_p50']} | {s.get('wer_piper')} "
               f"| {s.get('wer_espeak-ng', '-')} | {s['split_clips']} |")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--turns", type=int, default=8, help="sentences per voice")
+    parser.add_argument("--json", dest="json_path", help="write the rows here")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+                        help="also replay each clip with these asr settings changed (repeatable)")
+    parser.add_argument("--chunk-ms", type=int, default=100, help="audio per chunk the replayed microphone sends")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="time a feed by wall time, or by this process's CPU time (a busy machine)")
+
+
+def run_from_args(settings, args: argparse.Namespace) -> int:
+    return run(settings, args.turns, args.json_path, args.variant, args.chunk_ms, args.clock)

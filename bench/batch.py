@@ -9,14 +9,15 @@ whole set; `identical` says whether every batched reply equals its one-at-a-time
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
 
-from bench.prompts import load_prompts
 from pipeline.llm.batch import BatchedDecoder
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.model import load_model
+from pipeline.llm.prompt_sets import load_prompts
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 
 SESSIONS = (1, 2, 4, 8)
@@ -88,3 +89,13 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['drafter']:<8} {cap:>4} {r['sessions']:>2} {r['one_at_a_time_tokens_per_s']:>20.1f} "
               f"{r['batched_tokens_per_s']:>14.1f} {r['batched_speedup']:>7.2f}x {r['mean_rows_per_step']:>10.2f} "
               f"{str(r['identical']):>10}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
+    parser.add_argument("--sessions", default="1,2,4,8", help="concurrent session counts to measure")
+    parser.add_argument("--json", dest="json_path", help="write the rows here")
+
+
+def run_from_args(settings, args: argparse.Namespace) -> int:
+    return run(settings, args.max_new_tokens, args.json_path, tuple(int(n) for n in args.sessions.split(",")))

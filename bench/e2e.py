@@ -33,12 +33,11 @@ seconds after it (`wait_for_replies=False`).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
-import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -49,8 +48,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.prompts import load_prompts
 from pipeline.audio import PcmFormat, float_to_pcm16, pcm_to_mono_float, resample, split_wav_bytes
+from pipeline.llm.prompt_sets import load_prompts
 
 RATE_HZ = 16_000
 FMT = PcmFormat(RATE_HZ, 1, 2)
@@ -137,7 +136,7 @@ class Outcome:
 
 class Voices:
     def __init__(self, settings) -> None:
-        from pipeline.tts.backend import load_synthesizer
+        from pipeline.tts.synthesizers import load_synthesizer
 
         self.piper = load_synthesizer(settings.tts)
         self.espeak = shutil.which("espeak-ng")
@@ -518,12 +517,6 @@ def plot_waterfall(results: dict, path: Path) -> None:
 
 # ---- the run ------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def _run_sessions(address: str, scripts: list[list[Line]], settings) -> list[Outcome]:
     n = len(scripts)
     done = await asyncio.gather(*(run_session(address, i, n, lines, settings.auth.api_key, settings.tls)
@@ -532,7 +525,7 @@ async def _run_sessions(address: str, scripts: list[list[Line]], settings) -> li
 
 
 def run(settings, session_counts: tuple[int, ...], turns: int, json_path: str | None, out_dir: str) -> int:
-    from services.demo import specvox_up
+    from services.stack import running_stack
 
     work = Path(tempfile.mkdtemp(prefix="specvox-e2e-"))
     rng = random.Random(12)
@@ -542,12 +535,9 @@ def run(settings, session_counts: tuple[int, ...], turns: int, json_path: str | 
     print(f"making speech for {max(session_counts)} sessions × {turns} turns "
           f"({', '.join(voices.names())}) …", flush=True)
     scripts = [session_script(voices, i, turns, rng) for i in range(max(session_counts))]
-    ports = {name: _free_port() for name in ("gateway", "asr", "llm", "tts")}
-    os.environ.update({f"SPECVOX_{name.upper()}_PORT": str(port) for name, port in ports.items()})
-    address = f"{settings.host}:{ports['gateway']}"
-    log = work / "up.log"
     results: dict[str, dict] = {}
-    with specvox_up(log):
+    with running_stack(work, host=settings.host) as stack:
+        address, log = stack.addresses["gateway"], stack.log
         for n in session_counts:
             print(f"{n} session{'s' if n > 1 else ''} × {turns} turns …", flush=True)
             started = time.monotonic()
@@ -572,3 +562,14 @@ def run(settings, session_counts: tuple[int, ...], turns: int, json_path: str | 
         print(f"no waterfall plot: {e.name} is missing (pip install -e '.[bench]')")
     answered = sum(s["answered_turns"] for s in results.values())
     return 0 if answered else 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sessions", default="1,4", help="concurrent session counts to measure")
+    parser.add_argument("--turns", type=int, default=8, help="each session's spoken turns")
+    parser.add_argument("--json", dest="json_path", help="write the rows here")
+    parser.add_argument("--out", default="docs", help="folder for the waterfall PNG")
+
+
+def run_from_args(settings, args: argparse.Namespace) -> int:
+    return run(settings, tuple(int(n) for n in args.sessions.split(",")), args.turns, args.json_path, args.out)

@@ -27,6 +27,7 @@ left out. Fetch it with `pip download --no-deps "pipecat-ai==1.14.*" -d /tmp/pc`
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import logging
@@ -363,3 +364,11 @@ def print_summary(summary: dict) -> None:
 def _cell(method: dict, t: float) -> str:
     at = method["at"].get(f"{t:g}")
     return f"{at['false_cutoffs']}/{at['late_ends']}" if at else "-"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", dest="json_path", help="write the rows here")
+
+
+def run_from_args(settings, args: argparse.Namespace) -> int:
+    return run(settings, args.json_path)

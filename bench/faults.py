@@ -27,6 +27,7 @@ first, would hear in the turn (0 when the audio it had been sent ahead covered t
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import difflib
@@ -36,12 +37,14 @@ import random
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from services.stack import Stack, running_stack
+from services.store.embedded import EmbeddedRedis
 
 KINDS = ("none", "llm_kill", "tts_kill", "redis_restart")  # none: the same turns without a fault (the baseline)
 QUESTIONS = (
@@ -55,8 +58,8 @@ MAX_REPLY_TOKENS = 64
 BUDGET_MS = 60_000  # no turn here misses it: nothing is degraded, the plan is the plain one
 SAMPLING = {"temperature": 0.8, "top_p": 0.95}
 GOALS = {"tokens_lost": 0, "tokens_duplicated": 0, "identical_pct": 100.0, "recovery_p95_ms": 1000.0}
-READY_LINE = "all services ready"
 START_TIMEOUT_S = 600
+STOP_TIMEOUT_S = 60
 
 
 @dataclass
@@ -99,52 +102,20 @@ def run(settings, faults: int, json_path: str | None, seed: int | None = None, k
     return 0
 
 
+@dataclass
 class FaultStack:
     """`specvox up --workers llm=2,tts=2` on free ports and a restartable Valkey of its own."""
 
-    def __init__(self, settings) -> None:
-        self.settings = settings
-        self.dir = Path(tempfile.mkdtemp(prefix="specvox-bench-faults-"))
-        self.log = self.dir / "up.log"
-        self.valkey = None
-        self.process: subprocess.Popen | None = None
-        self.addresses: dict[str, str] = {}
+    stack: Stack
+    valkey: EmbeddedRedis
 
-    def __enter__(self) -> FaultStack:
-        from bench.e2e import _free_port
-        from services.redis_store import EmbeddedRedis
+    @property
+    def log(self) -> Path:
+        return self.stack.log
 
-        self.valkey = EmbeddedRedis(data_dir=self.dir / "valkey").start()
-        ports = {name: _free_port() for name in ("gateway", "asr", "llm", "tts")}
-        env = dict(os.environ, SPECVOX_REDIS_URL=self.valkey.url, SPECVOX_REDIS__DATA_DIR=str(self.dir / "up"),
-                   PYTHONUNBUFFERED="1", SPECVOX_LOG_LEVEL="WARNING",
-                   # 60 kills in a run: a worker restarted 20 times is not a crash loop here
-                   SPECVOX_SUPERVISOR__MAX_RESTARTS="1000", SPECVOX_SUPERVISOR__RESTART_BACKOFF_S="0.5",
-                   # one turn per question: a preemptive turn the final drops would be a second one
-                   SPECVOX_PREEMPTIVE_GENERATION="false",
-                   **{f"SPECVOX_{name.upper()}_PORT": str(port) for name, port in ports.items()})
-        self.addresses = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
-        with open(self.log, "wb") as out:
-            self.process = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--workers", "llm=2,tts=2"],
-                                            stdout=out, stderr=subprocess.STDOUT, env=env)
-        started = time.monotonic()
-        while READY_LINE not in self.log.read_text(errors="replace"):
-            if self.process.poll() is not None or time.monotonic() - started > START_TIMEOUT_S:
-                raise SystemExit(f"specvox up did not become ready:\n{self.log.read_text()[-3000:]}")
-            time.sleep(0.5)
-        print(f"  stack ready after {time.monotonic() - started:.0f} s (log: {self.log})", flush=True)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.send_signal(signal.SIGINT)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        if self.valkey:
-            self.valkey.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
+    @property
+    def addresses(self) -> dict[str, str]:
+        return self.stack.addresses
 
     def workers(self) -> dict[str, tuple[int, str]]:
         """Each worker's latest pid and address, as `specvox up` announced them."""
@@ -161,14 +132,31 @@ class FaultStack:
             await asyncio.sleep(0.5)
 
 
+@contextlib.contextmanager
+def fault_stack() -> Iterator[FaultStack]:
+    work = Path(tempfile.mkdtemp(prefix="specvox-bench-faults-"))
+    valkey = EmbeddedRedis(data_dir=work / "valkey")
+    env = {"SPECVOX_REDIS__DATA_DIR": str(work / "up"), "SPECVOX_LOG_LEVEL": "WARNING",
+           # 60 kills in a run: a worker restarted 20 times is not a crash loop here
+           "SPECVOX_SUPERVISOR__MAX_RESTARTS": "1000", "SPECVOX_SUPERVISOR__RESTART_BACKOFF_S": "0.5",
+           # one turn per question: a preemptive turn the final drops would be a second one
+           "SPECVOX_PREEMPTIVE_GENERATION": "false"}
+    try:
+        with running_stack(work, args=("--workers", "llm=2,tts=2"), env=env, redis=valkey,
+                           start_timeout_s=START_TIMEOUT_S, stop_timeout_s=STOP_TIMEOUT_S) as stack:
+            yield FaultStack(stack, valkey)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 async def _run(settings, faults: int, rng: random.Random, kinds: tuple[str, ...]) -> list[Fault]:
     from pipeline.tts.piper_backend import PiperSynthesizer, TtsOptions
-    from services.redis_store import connect
+    from services.store.client import connect
 
     voice = PiperSynthesizer(TtsOptions(noise_scale=0.0, noise_w_scale=0.0))
     audio = {q: _speech(voice, q) for q in QUESTIONS}
     rows: list[Fault] = []
-    with FaultStack(settings) as stack:
+    with fault_stack() as stack:
         redis = connect(stack.valkey.url)
         references: dict[tuple[str, bool, int], list[int]] = {}
         try:
@@ -236,8 +224,8 @@ async def _one(stack: FaultStack, redis, fault: Fault, pcm: bytes, references: d
 
 async def _inject(stack: FaultStack, redis, fault: Fault) -> None:
     """Wait for the turn to reach the fault's point, then inject it; record when and what."""
-    from services.redis_store import cancel_key, read_speech_log, read_token_log, speech_stream_key, token_stream_key
-    from services.store.work_queue import work_key
+    from services.store.keys import cancel_key, speech_stream_key, token_stream_key, work_key
+    from services.store.turn_log import read_speech_log, read_token_log
 
     stage = "tts" if fault.kind == "tts_kill" else "llm"
     if fault.kind == "none":
@@ -288,7 +276,7 @@ async def _inject(stack: FaultStack, redis, fault: Fault) -> None:
 
 
 async def _holder(redis, stage: str, skip: set[str]) -> tuple[str, str]:
-    from services.store.work_queue import work_key
+    from services.store.keys import work_key
 
     while True:
         with contextlib.suppress(Exception):  # the stream may not exist yet
@@ -324,10 +312,11 @@ async def _stall_ms(redis, key: str, down_s: float, up_s: float, timeout_s: floa
 
 
 async def _judge(stack: FaultStack, redis, fault: Fault, turn, config, references: dict) -> None:
-    from services.redis_store import read_token_log
+    from services.store.keys import token_stream_key
+    from services.store.turn_log import read_token_log
 
     entries = await read_token_log(redis, fault.turn_id)
-    raw = await redis.xrange(f"sv:turn:{fault.turn_id}:tokens")
+    raw = await redis.xrange(token_stream_key(fault.turn_id))
     seqs = [int(fields["seq"]) for _, fields in raw if "end" not in fields]
     if len(seqs) != len(set(seqs)):
         fault.notes.append(f"{len(seqs) - len(set(seqs))} steps written twice (readers skip them)")
@@ -354,7 +343,8 @@ async def _reference(stack: FaultStack, redis, user_text: str, config) -> list[i
     import grpc
 
     from services.protos import load
-    from services.redis_store import SessionStore, TurnStore
+    from services.store.sessions import SessionStore
+    from services.store.turn_log import TurnStore
 
     llm, llm_grpc = load("llm")
     session = await SessionStore(redis).create("")
@@ -467,3 +457,12 @@ def print_table(result: dict) -> None:
               f"{'met' if result['met'][kind] else 'NOT met'}")
     print(f"(recovery: the fault → the next log entry by whoever resumed the turn; gap: silence a real-time "
           f"player of the client's chunks hears; {sum(1 for r in result['rows'] if r['error'])} errors)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--faults", type=int, default=20, help="faults injected of each kind")
+    parser.add_argument("--json", dest="json_path", help="write the rows here")
+
+
+def run_from_args(settings, args: argparse.Namespace) -> int:
+    return run(settings, args.faults, args.json_path)

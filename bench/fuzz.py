@@ -26,6 +26,7 @@ asserts it at a small size; `specvox bench fuzz --cases N` counts it at size N.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import concurrent.futures
 import importlib
@@ -442,7 +443,8 @@ def _in_thread(coroutine_fn: Callable, *args):
 
 
 async def _make_turns(redis_url: str, session_id: str, n: int) -> list[str]:
-    from services.redis_store import TurnStore, connect
+    from services.store.client import connect
+    from services.store.turn_log import TurnStore
 
     redis = connect(redis_url)
     try:
@@ -649,13 +651,17 @@ def run(settings_, cases: int, json_path: str | None, run_seed: int | None = Non
         timeout_s: float = CALL_TIMEOUT_S) -> int:
     import random
 
-    from bench.stack import running_stack
+    from services.stack import running_stack
+    from services.store.embedded import EmbeddedRedis
 
     run_seed = random.randrange(2**32) if run_seed is None else run_seed
     enumerated = methods()
     print(f"fuzzing {len(enumerated)} methods × {cases} cases (seed {run_seed}) …", flush=True)
     reports: list[MethodReport] = []
-    with running_stack(settings_, Path(tempfile.mkdtemp(prefix="specvox-fuzz-"))) as stack:
+    work = Path(tempfile.mkdtemp(prefix="specvox-fuzz-"))
+    redis = settings_.redis_url or EmbeddedRedis()  # unless configured, a Valkey whose URL it knows: it reads Redis
+    up_data = {"SPECVOX_REDIS__DATA_DIR": str(work / "up")}  # not the user's: its cluster credential, if any
+    with running_stack(work, redis=redis, host=settings_.host, env=up_data) as stack:
         listed = check_reflection(stack.addresses, enumerated)
         target = Target(stack.addresses, stack.redis_url)
         pids = {name: p.pid for name, p in stack.processes().items()}
@@ -690,3 +696,13 @@ def run(settings_, cases: int, json_path: str | None, run_seed: int | None = Non
         print(f"wrote {json_path}")
     clean = not any(r.problems for r in reports) and all(v in ("ok", "none") for v in after.values())
     return 0 if clean else 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cases", type=int, default=200, help="hypothesis cases per gRPC method")
+    parser.add_argument("--seed", type=int, help="hypothesis seed (default: a random one, printed)")
+    parser.add_argument("--json", dest="json_path", help="write the rows here")
+
+
+def run_from_args(settings, args: argparse.Namespace) -> int:
+    return run(settings, args.cases, args.json_path, args.seed)

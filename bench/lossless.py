@@ -26,6 +26,7 @@ and the suffix drafter remembers the replies before (it is lossless whatever it 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import json
@@ -344,3 +345,13 @@ def print_table(rows: list[dict], threshold: float) -> None:
     for r in rows:
         print(f"{_label(r):<48} {r['samples']:>7} {r['bins']:>5} {r['g']:>8.1f} {r['p_value']:>9.3g}  "
               f"{'yes' if r['rejected'] else 'no'}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replies", type=int, default=400, help="replies sampled per case")
+    parser.add_argument("--limit", type=int, default=len(PROMPTS), help=f"prompts (at most {len(PROMPTS)})")
+    parser.add_argument("--json", dest="json_path", help="write the rows here")
+
+
+def run_from_args(settings, args: argparse.Namespace) -> int:
+    return run(settings, args.replies, args.json_path, prompts=args.limit)

@@ -17,6 +17,7 @@ counted; the fit then covers both lives.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -260,7 +261,8 @@ async def _converse(address: str, scripts: list, stop_at: float, tally: Tally, s
 
 def run(settings, minutes: float, sessions: int, json_path: str | None, out_dir: str, sample_s: float = 5.0) -> int:
     from bench.e2e import Voices, session_script
-    from bench.stack import running_stack
+    from services.stack import running_stack
+    from services.store.embedded import EmbeddedRedis
 
     duration_s = minutes * 60
     warmup_s = min(WARMUP_MAX_S, duration_s / 3)
@@ -269,7 +271,10 @@ def run(settings, minutes: float, sessions: int, json_path: str | None, out_dir:
     rng = random.Random(12)
     scripts = [session_script(voices, i, SCRIPT_TURNS, rng) for i in range(sessions)]
     tally = Tally()
-    with running_stack(settings, Path(tempfile.mkdtemp(prefix="specvox-soak-"))) as stack:
+    work = Path(tempfile.mkdtemp(prefix="specvox-soak-"))
+    redis = settings.redis_url or EmbeddedRedis()  # unless configured, a Valkey whose URL it knows: it reads Redis
+    up_data = {"SPECVOX_REDIS__DATA_DIR": str(work / "up")}  # not the user's: its cluster credential, if any
+    with running_stack(work, redis=redis, host=settings.host, env=up_data) as stack:
         print(f"{sessions} sessions for {minutes:g} min, memory every {sample_s:g} s "
               f"(warm-up {warmup_s / 60:.1f} min) …", flush=True)
         started, tally.started_unix_s = time.monotonic(), time.time()
@@ -306,3 +311,15 @@ def run(settings, minutes: float, sessions: int, json_path: str | None, out_dir:
         print(f"no plot ({e}): pip install -e '.[bench]' for matplotlib")
     flat = all(f["flat"] is not False for f in judged(fits).values())
     return 0 if tally.answered and flat and not any(restarted.values()) else 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--minutes", type=float, default=30.0, help="how long the conversations run")
+    parser.add_argument("--sessions", type=int, default=4, help="concurrent sessions")
+    parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between memory samples")
+    parser.add_argument("--json", dest="json_path", help="write the rows here")
+    parser.add_argument("--out", default="docs", help="folder for the memory PNG")
+
+
+def run_from_args(settings, args: argparse.Namespace) -> int:
+    return run(settings, args.minutes, args.sessions, args.json_path, args.out, args.sample_s)

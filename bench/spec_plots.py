@@ -7,13 +7,14 @@ aggregates, over the whole set, how often the i-th drafted token was accepted.
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
 
-from bench.prompts import load_prompts
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.model import load_model
+from pipeline.llm.prompt_sets import load_prompts
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 
 GAMMAS = (1, 2, 3, 4, 6, 8)
@@ -86,3 +87,14 @@ def _plot(results: dict, drafter: str, out: Path) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "spec_acceptance_by_position.png", dpi=120)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drafter", default="suffix", help="the drafter swept over draft lengths")
+    parser.add_argument("--limit", type=int, default=16, help="prompts per set")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
+    parser.add_argument("--out", default="docs", help="folder for the PNGs and JSON")
+
+
+def run_from_args(settings, args: argparse.Namespace) -> int:
+    return run(settings, args.drafter, args.limit, args.max_new_tokens, args.out)

@@ -21,6 +21,7 @@ as JSON, never asserted.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import statistics
@@ -31,11 +32,11 @@ from typing import Any
 
 import torch
 
-from bench.prompts import load_prompts
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.exact_codes import kernel_threads
 from pipeline.llm.lean_llama import LeanLlama
 from pipeline.llm.model import LoadedModel, load_model, rollback
+from pipeline.llm.prompt_sets import load_prompts
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 
 PARTS = ("products", "attention", "cache", "elementwise", "python")
@@ -202,3 +203,12 @@ def print_tables(rows: list[dict], engine: list[dict]) -> None:
     for e in engine:
         print(f"{e['path']:<24} {e['decode_tokens_per_s']:>8.1f} {e['target_ms_per_step']:>15.2f} "
               f"{e['host_ms_per_step']:>13.2f}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
+    parser.add_argument("--json", dest="json_path", help="write the rows here")
+
+
+def run_from_args(settings, args: argparse.Namespace) -> int:
+    return run(settings, args.max_new_tokens, args.json_path)

@@ -15,6 +15,7 @@ Coqui). Each reply is written to its turn's Redis stream one word at a time, a w
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import json
@@ -26,9 +27,9 @@ from pathlib import Path
 
 import grpc
 
-from pipeline.tts.backend import load_synthesizer
 from pipeline.tts.phrases import PhraseCutter
 from pipeline.tts.speaker import ReplySpeaker
+from pipeline.tts.synthesizers import load_synthesizer
 
 REPLIES = [
     "Sure, I can help with that. Paris is the capital of France, and it sits on the river Seine.",
@@ -60,17 +61,17 @@ def run(settings, backend: str, token_ms: float, threads: int, json_path: str | 
 
 
 async def _latencies(settings, synthesizer, token_ms: float) -> list[dict]:
-    from services.grpc_server import message_options
+    from services.channels import message_size_options
     from services.protos import load
-    from services.redis_store import EmbeddedRedis
-    from services.runtime import open_redis
     from services.stages.tts import TtsServicer
+    from services.store.context import open_redis
+    from services.store.embedded import EmbeddedRedis
 
     pb, pb_grpc = load("tts")
     with EmbeddedRedis() as valkey:
         settings = settings.model_copy(update={"redis_url": valkey.url})
         redis = await open_redis(settings)
-        server = grpc.aio.server(options=message_options(settings.max_message_bytes))
+        server = grpc.aio.server(options=message_size_options(settings.max_message_bytes))
         pb_grpc.add_TtsServicer_to_server(TtsServicer(settings, synthesizer, redis), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -84,7 +85,8 @@ async def _latencies(settings, synthesizer, token_ms: float) -> list[dict]:
 
 
 async def _speak_reply(stub, pb, redis, settings, text: str, token_ms: float) -> dict:
-    from services.redis_store import TokenEntry, TokenStreamWriter, now_ms
+    from services.store.client import now_ms
+    from services.store.turn_log import TokenEntry, TokenStreamWriter
 
     tokens = re.findall(r"\S+\s*", text)
     completes = _first_phrase_token(tokens, settings)
@@ -148,3 +150,14 @@ def print_table(rows: list[dict]) -> None:
         print(f"{row['reply']:<42} " + " ".join(f"{row[c]:>24}" for c in cols))
     for name, fn in (("median", statistics.median), ("max", max)):
         print(f"{name:<42} " + " ".join(f"{fn([r[c] for r in rows]):>24.3g}" for c in cols))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="", help="piper or coqui (default: tts.backend)")
+    parser.add_argument("--token-ms", type=float, default=40.0, help="a word of the reply every this many ms")
+    parser.add_argument("--threads", type=int, default=0, help="model threads (default: tts.threads)")
+    parser.add_argument("--json", dest="json_path", help="write the rows here")
+
+
+def run_from_args(settings, args: argparse.Namespace) -> int:
+    return run(settings, args.backend, args.token_ms, args.threads, args.json_path)

@@ -20,6 +20,7 @@ performance tuning guide suggests for long-lived model processes (the tts's defa
 
 from __future__ import annotations
 
+import argparse
 import ctypes.util
 import json
 import os
@@ -32,7 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.prompts import load_prompts
+from pipeline.llm.prompt_sets import load_prompts
 
 CLIENTS = 3  # Synthesize calls in flight per variant (the service's model thread takes them in turn)
 SAMPLE_S = 15.0
@@ -116,12 +117,12 @@ def _ready(port: int, timeout_s: float = 300) -> None:
 def run(settings, minutes: float, json_path: str | None, log_dir: str = "") -> int:
     import tempfile
 
-    from bench.e2e import _free_port
     from bench.soak import growth
+    from services.stack import free_port
 
     logs = Path(log_dir or tempfile.mkdtemp(prefix="specvox-tts-allocator-"))
     logs.mkdir(parents=True, exist_ok=True)
-    variants = [Variant(name, env, _free_port(), logs) for name, env in VARIANTS.items()]
+    variants = [Variant(name, env, free_port(), logs) for name, env in VARIANTS.items()]
     try:
         print(f"starting {len(variants)} tts services (logs: {logs}) …", flush=True)
         for v in variants:
@@ -171,3 +172,12 @@ def run(settings, minutes: float, json_path: str | None, log_dir: str = "") -> i
                                                "rows": rows}, indent=1))
         print(f"wrote {json_path}")
     return 0 if all(r["calls"] for r in rows) else 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--minutes", type=float, default=30.0, help="how long each variant is hammered")
+    parser.add_argument("--json", dest="json_path", help="write the rows here")
+
+
+def run_from_args(settings, args: argparse.Namespace) -> int:
+    return run(settings, args.minutes, args.json_path)

@@ -7,6 +7,7 @@ reply audio time and when each stage first emitted, relative to the end of speec
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import statistics
@@ -15,9 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.prompts import load_prompts
+from pipeline.llm.prompt_sets import load_prompts
+from services.cli.client import say_to_file
 from services.client import ClientOptions, converse
-from services.demo import specvox_up
+from services.stack import running_stack
 
 
 def questions(limit: int) -> list[str]:
@@ -25,17 +27,15 @@ def questions(limit: int) -> list[str]:
 
 
 def run(settings, turns: int, json_path: str | None) -> int:
-    from services.cli import say_to_file
-
     work = Path(tempfile.mkdtemp(prefix="specvox-bench-"))
     wavs = []
     for i, text in enumerate(questions(turns)):
         wavs.append((text, str(work / f"q{i}.wav")))
         say_to_file(settings, text, wavs[-1][1], sample_rate_hz=16_000, pad_s=0.5)
     rows, restarted = [], 0
-    with specvox_up(work / "up.log"):
+    with running_stack(work, host=settings.host) as stack:
         for text, wav in wavs:
-            results = asyncio.run(converse(settings.address("gateway"), wav,
+            results = asyncio.run(converse(stack.addresses["gateway"], wav,
                                            ClientOptions(api_key=settings.auth.api_key, tls=settings.tls)))
             reports = [r.report for r in results if r.report]
             # A turn the final contradicted, or one cancelled because the user spoke on before
@@ -75,3 +75,11 @@ def print_table(rows: list[dict]) -> None:
     for name, fn in (("p50", statistics.median), ("p95", lambda v: np.percentile(v, 95, method="nearest"))):
         print(f"{name:<48} " + " ".join(f"{fn([r[c] for r in rows]):>19.0f}" for c in cols))
 
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--turns", type=int, default=8, help="spoken turns (the first questions of the dialogue set)")
+    parser.add_argument("--json", dest="json_path", help="write the rows here")
+
+
+def run_from_args(settings, args: argparse.Namespace) -> int:
+    return run(settings, args.turns, args.json_path)

@@ -153,12 +153,20 @@ class Tick:
 
 
 @dataclass(frozen=True)
+class CaptionDone:
+    """Caption mode: the caption of turn `turn_id` went out, or its work failed (`finish_reason`)."""
+
+    turn_id: str
+    finish_reason: str
+
+
+@dataclass(frozen=True)
 class ClientDone:
     """The client closed its side: it will play what it has; nothing more is said."""
 
 
 Event = (VoiceStarted | VoiceEnded | SpeechStarted | Partial | Final | EndOfTurnScored | AudioSent
-         | WordTimed | ReplyDone | PlaybackReported | Tick | ClientDone)
+         | WordTimed | ReplyDone | PlaybackReported | Tick | CaptionDone | ClientDone)
 
 
 # ---- actions ------------------------------------------------------------------------------
@@ -335,6 +343,7 @@ class TurnTaking:
         self.voice_active = False  # the VAD hears voice that no final has closed yet
         self.client_done = False
         self.counts = ConversationCounts()
+        self.captions: set[str] = set()  # caption turns started and not yet over
         phrases = [normalised_text(b.replace("-", " ")) for b in options.backchannels]
         self._backchannel_phrases = {p.replace(" ", "") for p in phrases if p}
         self._backchannel_words = {w for p in phrases for w in p.split()}
@@ -414,7 +423,11 @@ class TurnTaking:
         self.voice_active = False
         text = event.text.strip()
         if self.caption_mode:
-            return [StartCaption(self._new_id(), event.utterance, text)] if text else []
+            if not text:
+                return []
+            caption = StartCaption(self._new_id(), event.utterance, text)
+            self.captions.add(caption.turn_id)
+            return [caption]
         actions: list[Action] = []
         if self.paused_since_s is not None or self.audible(now_s):  # said over the avatar
             # (Not paused, too: voice in two short bursts can end each one's pause before the
@@ -478,6 +491,12 @@ class TurnTaking:
 
     def _on_Tick(self, event: Tick, now_s: float) -> list[Action]:  # noqa: N802
         return []
+
+    def _on_CaptionDone(self, event: CaptionDone, now_s: float) -> list[Action]:  # noqa: N802
+        if event.turn_id not in self.captions:
+            return []
+        self.captions.discard(event.turn_id)
+        return [TurnOver(event.turn_id, event.finish_reason or "eos", "", False, "", -1.0, 0, 0, 0, self.counts)]
 
     def _on_ClientDone(self, event: ClientDone, now_s: float) -> list[Action]:  # noqa: N802
         self.client_done = True

@@ -12,10 +12,23 @@ from typing import Any
 
 import grpc
 
-from services.server.auth import credential_metadata
 from services.tls import TlsOptions, channel_credentials, channel_options
 
 Metadata = Sequence[tuple[str, str]]
+
+
+def credential_metadata(secret: str) -> tuple[tuple[str, str], ...]:
+    """A call's bearer credential (an API key, or the cluster's service credential), as
+    services/server/auth.py reads it."""
+    return (("authorization", f"Bearer {secret}"),) if secret else ()
+
+
+def message_size_options(max_message_bytes: int) -> list[tuple[str, Any]]:
+    """The channel options that let messages up to `max_message_bytes` through, both ways."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
 
 
 class _AddMetadata:

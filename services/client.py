@@ -26,8 +26,7 @@ import numpy as np
 from pipeline.audio import PcmFormat, read_wav, wav_bytes
 from pipeline.captions import Cue, srt_document, webvtt_document
 from pipeline.turn_taking import PlaybackClock
-from services.channels import open_channel
-from services.grpc_server import message_options
+from services.channels import message_size_options, open_channel
 from services.protos import load, load_common
 from services.tls import TlsOptions
 
@@ -171,7 +170,7 @@ async def converse_script(address: str, script: list[Say], fmt: PcmFormat,
         return time.monotonic() - t0
 
     async with open_channel(address, secret=options.api_key, tls=options.tls,
-                            options=message_options(options.max_message_bytes)) as channel:
+                            options=message_size_options(options.max_message_bytes)) as channel:
         stub = pb_grpc.GatewayStub(channel)
         session_id = options.session_id or (await stub.CreateSession(pb.CreateSessionRequest(
             config=options.config or pb.SessionConfig()))).session_id

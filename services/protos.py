@@ -29,13 +29,6 @@ def _generated(proto: Path) -> Path:
     return GEN_DIR / proto.relative_to(PROTO_DIR).with_name(proto.stem + "_pb2.py")
 
 
-def is_stale() -> bool:
-    return any(
-        not _generated(p).exists() or _generated(p).stat().st_mtime < p.stat().st_mtime
-        for p in proto_files()
-    )
-
-
 def build() -> None:
     """Compile every proto; module paths become services.gen.specvox.<svc>.v1."""
     from grpc_tools import protoc

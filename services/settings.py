@@ -17,10 +17,10 @@ from pipeline.llm.options import LlmOptions
 from pipeline.tts.backend import TtsOptions
 from pipeline.tts.phrases import PhraseOptions
 from pipeline.turn_taking import TurnTakingOptions
-from services.redis_store import RedisOptions
 from services.server.auth import AuthOptions
 from services.server.limits import LimitOptions
 from services.server.supervisor import SupervisorOptions
+from services.store.client import RedisOptions
 from services.store.work_queue import WorkOptions
 from services.tls import TlsOptions
 
@@ -36,6 +36,10 @@ class Settings(BaseSettings):
     redis: RedisOptions = RedisOptions()
     # How llm and tts workers share turns through Redis consumer groups (services/store/work_queue.py).
     work: WorkOptions = WorkOptions()
+    # Turns one worker takes at once: the llm's share each verification pass (0: llm.max_batch_size),
+    # the tts's take its model thread in turns, piece by piece.
+    llm_concurrency: int = 0
+    tts_concurrency: int = 8
     # API keys at the gateway, the service credential inside (services/server/auth.py, docs/security.md).
     auth: AuthOptions = AuthOptions()
     # Certificates: server TLS, mutual TLS, the clients' CA (services/tls.py).
@@ -63,7 +67,7 @@ class Settings(BaseSettings):
     # `specvox up` passes llm-0, llm-1, ...; empty: <service>-<host>-<pid> (worker_name_of).
     worker_name: str = ""
     # On SIGTERM a service takes no new call and gives those in flight, and its workers, this
-    # long to finish (services/grpc_server.run_service); `specvox up` SIGKILLs a child past it.
+    # long to finish (services/server/runtime.run_service); `specvox up` SIGKILLs a child past it.
     drain_grace_s: float = 10.0
     # How `specvox up` restarts a crashed child, when it gives up, worker ports (services/server/supervisor.py).
     supervisor: SupervisorOptions = SupervisorOptions()
@@ -95,6 +99,9 @@ class Settings(BaseSettings):
     malloc_library: dict[str, str] = {"tts": "auto"}
     turn_budget_ms: int = 800
     token_stream_ttl_s: int = 3600
+    # A finished turn's keys (its speech stream's audio, token log, record) are kept this long
+    # (services/store/turn_log.finish_turn).
+    finished_turn_ttl_s: int = 120
     session_ttl_s: int = 24 * 3600
     token_timeout_s: float = 30.0
     # Start a turn from a stable partial before the final; dropped if the final differs.

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
-import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +14,8 @@ import numpy as np
 import pytest
 
 from pipeline.audio import float_to_pcm16, wav_bytes
-from services.redis_store import EmbeddedRedis
+from services.stack import STOP_TIMEOUT_S, StackDidNotStart, running_stack, use_port_block
+from services.store.embedded import EmbeddedRedis
 
 ROOT = Path(__file__).resolve().parent.parent
 STACK_START_TIMEOUT_S = 300
@@ -47,31 +45,7 @@ _WORKER_INDEX = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("g
 _PORTS_PER_WORKER = (PORTS_END - PORTS_FIRST) // PARALLEL_WORKERS
 _WORKER_PORTS_FIRST = PORTS_FIRST + _WORKER_INDEX * _PORTS_PER_WORKER
 _WORKER_PORTS = range(_WORKER_PORTS_FIRST, _WORKER_PORTS_FIRST + _PORTS_PER_WORKER)
-_next_port = _WORKER_PORTS.start
-STACK_PORT_SPAN = 400  # `specvox up`: 4 stages x up to 4 workers at the supervisor's stride of 100
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_ports(span: int) -> int:
-    """The first of `span` consecutive ports, all free, none handed out before in this run."""
-    global _next_port
-    while _next_port + span <= _WORKER_PORTS.stop:
-        first, _next_port = _next_port, _next_port + span
-        if all(_bindable(port) for port in range(first, first + span)):
-            return first
-    raise RuntimeError(f"this test worker's ports ({_WORKER_PORTS.start}-{_WORKER_PORTS.stop - 1}) are used up")
-
-
-def free_port() -> int:
-    return free_ports(1)
+use_port_block(_WORKER_PORTS)  # services.stack.free_port(s), here and in EmbeddedRedis
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +55,14 @@ def redis_url() -> Iterator[str]:
     module's turns: each module's workers, and what its tests read back, stay on their own."""
     with EmbeddedRedis() as server:
         yield server.url
+
+
+@pytest.fixture(scope="module")
+def transcriber():
+    """The bundled whisper model, as the asr service loads it by default."""
+    from pipeline.asr import AsrOptions, Transcriber
+
+    return Transcriber(AsrOptions())
 
 
 @pytest.fixture(scope="session")
@@ -105,29 +87,17 @@ def speech(synthesizer):
 @contextlib.contextmanager
 def specvox_up(redis_url: str, log_dir: Path, env: dict[str, str] | None = None,
                args: tuple[str, ...] = ()) -> Iterator[dict[str, str]]:
-    """`specvox up` as a user runs it, on free ports, sharing the test's Valkey; Ctrl-C at the end."""
-    first = free_ports(STACK_PORT_SPAN)
-    ports = {name: first + i for i, name in enumerate(("gateway", "asr", "llm", "tts"))}
-    environ = dict(os.environ, SPECVOX_REDIS_URL=redis_url, SPECVOX_LOG_LEVEL="WARNING", **(env or {}))
-    environ.update({f"SPECVOX_{name.upper()}_PORT": str(port) for name, port in ports.items()})
-    log = log_dir / "up.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "services.cli", "up", *args], cwd=ROOT, env=environ,
-                                   stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + STACK_START_TIMEOUT_S
-    while b"all services ready" not in log.read_bytes():
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"specvox up {' '.join(args)} did not become ready:\n{log.read_text()[-3000:]}")
-        time.sleep(0.5)
-    yield {name: f"127.0.0.1:{port}" for name, port in ports.items()} | {"redis": redis_url}
-    process.send_signal(2)  # Ctrl-C
+    """`specvox up` as a user runs it (services/stack.py), on free ports, sharing the test's Valkey;
+    Ctrl-C at the end, which it must obey with exit code 0."""
     try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        pytest.fail("specvox up did not stop within 30 s of Ctrl-C")
-    assert process.returncode == 0, log.read_text()[-3000:]
+        with running_stack(log_dir, args=args, env={"SPECVOX_LOG_LEVEL": "WARNING", **(env or {})}, redis=redis_url,
+                           cwd=ROOT, start_timeout_s=STACK_START_TIMEOUT_S) as stack:
+            yield stack.addresses | {"redis": redis_url}
+    except StackDidNotStart as e:
+        pytest.fail(str(e))
+    if stack.killed:
+        pytest.fail(f"specvox up did not stop within {STOP_TIMEOUT_S:.0f} s of Ctrl-C")
+    assert stack.returncode == 0, stack.log.read_text()[-3000:]
 
 
 @pytest.fixture(scope="session")
@@ -156,6 +126,23 @@ def tiny_llm_dir(tmp_path_factory):
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def with_a_perturbed_draft(target_options, draft_options=None):
+    """A Generator on `target_options`' model whose draft model is the same weights (loaded by
+    `draft_options`, the target's by default) perturbed, seeded: a drafter often right, not always."""
+    import torch
+
+    from pipeline.llm.engine import Generator
+    from pipeline.llm.model import load_model
+
+    target = load_model(target_options)
+    torch.manual_seed(1)
+    draft = load_model(draft_options or target_options)
+    with torch.no_grad():
+        for parameter in draft.model.parameters():
+            parameter.add_(0.005 * torch.randn_like(parameter))
+    return Generator(target, draft, early_exit_layers=2)
 
 
 def write_wav(path: Path, samples: np.ndarray, sample_rate_hz: int, channels: int = 1) -> Path:
@@ -212,9 +199,9 @@ async def llm_on_loopback(redis_url: str, options) -> AsyncIterator[LlmOnLoopbac
 
     from pipeline.llm.model import load_model
     from services.protos import load
-    from services.runtime import open_redis
     from services.settings import Settings
     from services.stages.llm import LlmServicer
+    from services.store.context import open_redis
 
     _, llm_grpc = load("llm")
     settings = Settings(redis_url=redis_url, llm=options)

@@ -18,7 +18,8 @@ import sys
 
 import numpy as np
 
-from pipeline.tts.backend import TtsOptions, load_synthesizer
+from pipeline.tts.backend import TtsOptions
+from pipeline.tts.synthesizers import load_synthesizer
 
 SHORT_TEXT = "Hello there."
 

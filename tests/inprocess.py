@@ -1,5 +1,5 @@
-"""The four services in the test's own process: each module's real `build(settings)` served with
-the real hooks (interceptors, TLS port) and health on free loopback ports, as `run_service`
+"""The four services in the test's own process: each module's real `build(settings)` served by
+`build_server` (interceptors, health, reflection, TLS port) on free loopback ports, as `run_service`
 serves them without its signal loop. One process, so OpenTelemetry's in-memory exporter and one metrics
 registry see all four services."""
 
@@ -10,13 +10,9 @@ import contextlib
 import importlib
 from collections.abc import AsyncIterator
 
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
 from services import SERVICE_MODULES
-from services.grpc_server import MalformedRequests, message_options, service_names
-from services.server import hooks
-from tests.conftest import free_port
+from services.server.runtime import build_server
+from services.stack import free_port
 
 ORDER = ("tts", "asr", "llm", "gateway")  # the gateway last: its channels reach the others
 
@@ -35,25 +31,15 @@ async def four_services(settings) -> AsyncIterator[dict[str, str]]:
 @contextlib.asynccontextmanager
 async def serve_one(settings, name: str) -> AsyncIterator[str]:
     """One service's real `build(settings)` on its port setting, as `run_service` serves it; its address."""
-    port = getattr(settings, f"{name}_port")
     draining = asyncio.Event()
     service = await importlib.import_module(SERVICE_MODULES[name]).build(settings)
     workers: list[asyncio.Task] = []
     server = None
     try:
-        server = grpc.aio.server(options=message_options(settings.max_message_bytes),
-                                 interceptors=[*hooks.server_interceptors(settings, name, service.redis),
-                                               MalformedRequests()])
-        service.register(server)
-        checks = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(checks, server)
-        for full_name in ["", *service_names(name)]:
-            await checks.set(full_name, health_pb2.HealthCheckResponse.SERVING)
-        if hooks.add_port(server, f"127.0.0.1:{port}", settings, name) == 0:
-            raise RuntimeError(f"{name}: cannot listen")
+        server, _, address = await build_server(settings, name, service)
         await server.start()
         workers = [asyncio.create_task(work(draining)) for work in service.workers]
-        yield f"127.0.0.1:{port}"
+        yield address
     finally:
         draining.set()
         await asyncio.wait_for(asyncio.gather(*workers, return_exceptions=True), 30)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from services.grpc_server import Service, service_main
+from services.server.runtime import Service, service_main
 from services.stages import tts as tts_service
 
 

@@ -20,7 +20,7 @@ class LlmOptions:
     torch_threads: int = 0  # 0: torch's default
     # weights=int4-exact or int4-q8: threads its kernels' loops run on, the calling one included (kernels/pool.h);
     # 0: one per core this process may run on, at most `exact_codes.MAX_KERNEL_THREADS`; `specvox up`,
-    # whose asr and tts share those cores, makes 0 one (services/cli.kernel_threads_beside_other_stages)
+    # whose asr and tts share those cores, makes 0 one (services/cli/serve.py kernel_threads_beside_other_stages)
     kernel_threads: int = 0
     offline: bool = True  # never reach a model hub unless told to
     # A GGUF target's conversion to transformers' format, made on its first load and read by the

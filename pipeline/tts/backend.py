@@ -74,14 +74,3 @@ class Synthesizer(Protocol):
         """The whole audio of `text`, mono float32 at `sample_rate_hz` (0: the voice's rate)."""
         ...
 
-
-def load_synthesizer(options: TtsOptions) -> Synthesizer:
-    if options.backend == "piper":
-        from pipeline.tts.piper_backend import PiperSynthesizer
-
-        return PiperSynthesizer(options)
-    if options.backend == "coqui":
-        from pipeline.tts.coqui_backend import CoquiSynthesizer
-
-        return CoquiSynthesizer(options)
-    raise ValueError(f"unknown tts backend {options.backend!r}: choose one of {', '.join(BACKENDS)}")

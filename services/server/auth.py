@@ -13,9 +13,9 @@ configured: every call refused); `off` accepts everything.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import contextvars
+import functools
 import hashlib
 import hmac
 import logging
@@ -23,12 +23,14 @@ import os
 import re
 import secrets
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import grpc
+
+from services.server.interceptors import abort_refused, wrap_handler
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +180,6 @@ def bearer(metadata: Iterable[tuple[str, Any]] | None) -> str:
     return ""
 
 
-def credential_metadata(secret: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {secret}"),) if secret else ()
-
-
 class Authenticator:
     """Decides one call: the tenant it runs for, or why it is refused."""
 
@@ -248,74 +246,22 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return None
         tenant, reason = self.auth.decide(handler_call_details.method, handler_call_details.invocation_metadata)
         if tenant is None:
-            return replace_behavior(handler, _refuse(reason))
+            return wrap_handler(handler, functools.partial(_refused, reason))
         if not tenant:
             return handler
-        return replace_behavior(handler, lambda behavior: _in_context(behavior, TENANT, tenant))
+        return wrap_handler(handler, functools.partial(_as_tenant, tenant))
 
 
-# How long a refused call's request stream is read before the refusal (see `abort_refused`).
-REFUSAL_DRAIN_S = 0.5
-REFUSAL_DRAIN_MESSAGES = 16
+@contextlib.asynccontextmanager
+async def _refused(reason: str, request, context) -> AsyncIterator[Any]:
+    await abort_refused(request, context, grpc.StatusCode.UNAUTHENTICATED, reason)
+    yield request  # not reached: the abort raises
 
 
-def _refuse(reason: str):
-    def make(_behavior):
-        async def refuse(request, context):
-            await abort_refused(request, context, grpc.StatusCode.UNAUTHENTICATED, reason)
-        return refuse
-    return make
-
-
-async def abort_refused(request, context, code: grpc.StatusCode, details: str) -> None:
-    """End a refused call with `code`, a streaming one after reading its first requests (a few, briefly).
-
-    grpc's asyncio client reports INTERNAL "Internal error from Core" instead of the server's
-    status when one of its writes is still in flight as the status arrives (grpc/grpc#36066,
-    about 1 call in 100 on loopback), so a client sending a request or two and closing would
-    now and then not learn why it was refused. Bounded in time and count: a client that
-    streams on and never closes is refused all the same."""
-    if hasattr(request, "__aiter__"):
-        async def read() -> None:
-            n = 0
-            async for _ in request:
-                n += 1
-                if n >= REFUSAL_DRAIN_MESSAGES:
-                    return
-
-        # the time bound, a broken stream, a malformed message: the refusal follows all the same
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(read(), REFUSAL_DRAIN_S)
-    await context.abort(code, details)
-
-
-def _in_context(behavior, var: contextvars.ContextVar, value):
-    """The same behavior, run with `var` set (a coroutine or an async generator alike)."""
-    import inspect
-
-    if inspect.isasyncgenfunction(behavior):
-        async def stream(request, context):
-            var.set(value)
-            responses = behavior(request, context)
-            try:
-                async for item in responses:
-                    yield item
-            finally:
-                await responses.aclose()  # at once, as grpc closes the wrapper
-        return stream
-
-    async def unary(request, context):
-        var.set(value)
-        result = behavior(request, context)
-        return await result if inspect.isawaitable(result) else result
-    return unary
-
-
-def replace_behavior(handler: grpc.RpcMethodHandler, wrap: Callable[[Any], Any]) -> grpc.RpcMethodHandler:
-    """The same handler (kind, serializers) with its behavior replaced by `wrap(behavior)`."""
-    kind = ("stream_" if handler.request_streaming else "unary_") + \
-        ("stream" if handler.response_streaming else "unary")
-    return handler._replace(**{kind: wrap(getattr(handler, kind))})
+@contextlib.asynccontextmanager
+async def _as_tenant(tenant: str, request, context) -> AsyncIterator[Any]:
+    TENANT.set(tenant)  # in the call's own task: grpc runs each call in one
+    yield request
 
 
 # -- the key file, for `specvox keys` ---------------------------------------------------------

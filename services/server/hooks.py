@@ -60,8 +60,8 @@ def start_metrics(settings: Any, service: str) -> int:
     also reports the work streams' lag, from a Redis client of its own (a configured URL only)."""
     import asyncio
 
-    from services.redis_store import connect
     from services.server import metrics
+    from services.store.client import connect
 
     port = metrics.start_endpoint(settings, service)
     if port and service == "gateway" and settings.redis_url:

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from services.server import metrics
-from services.server.auth import TENANT, abort_refused, replace_behavior
-from services.store.work_queue import REDIS_ERRORS
+from services.server.auth import TENANT
+from services.server.interceptors import abort_refused, wrap_handler
+from services.store.client import REDIS_ERRORS
+from services.store.keys import session_key, session_turns_key, tenant_rate_key, tenant_sessions_key, tenant_streams_key
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,7 @@ class LimitOptions:
 
 
 class LimitExceededError(Exception):
-    """A limit was reached: RESOURCE_EXHAUSTED (services/grpc_server.STATUS_FOR_ERROR)."""
+    """A limit was reached: RESOURCE_EXHAUSTED (services/server/errors.py)."""
 
     def __init__(self, limit: str, message: str) -> None:
         super().__init__(message)
@@ -82,14 +85,6 @@ return 0
 """
 
 
-def _rate_key(tenant: str) -> str:
-    return f"sv:tenant:{tenant or '_'}:rate"
-
-
-def _streams_key(tenant: str) -> str:
-    return f"sv:tenant:{tenant or '_'}:streams"
-
-
 class LimitsInterceptor(grpc.aio.ServerInterceptor):
     """The gateway's per-tenant request rate and concurrent streams (after auth: TENANT is set),
     counted in Redis so that they hold across every gateway of the cluster."""
@@ -106,15 +101,15 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith("/grpc."):  # health, reflection
             return handler
-        streaming = handler.request_streaming and handler.response_streaming
-        return replace_behavior(handler, lambda behavior: self._limited(behavior, streaming))
+        streaming = handler.request_streaming and handler.response_streaming  # Converse: it holds a slot
+        return wrap_handler(handler, functools.partial(self._admitted, streaming))
 
     async def _check_rate(self, tenant: str) -> None:
         o = self.options
         if not o.requests_per_s_per_key:
             return
         interval_ms = 1000.0 / o.requests_per_s_per_key
-        if not await self._rate(keys=[_rate_key(tenant)], args=[interval_ms, self._burst]):
+        if not await self._rate(keys=[tenant_rate_key(tenant)], args=[interval_ms, self._burst]):
             raise LimitExceededError("requests_per_s_per_key", f"more than {o.requests_per_s_per_key:g} requests a "
                                      "second for this key (limits.requests_per_s_per_key): slow down")
 
@@ -124,7 +119,7 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
         if not o.max_streams_per_key:
             return None
         lease = uuid.uuid4().hex
-        held = await self._open(keys=[_streams_key(tenant)],
+        held = await self._open(keys=[tenant_streams_key(tenant)],
                                 args=[o.max_streams_per_key, lease, int(o.stream_lease_s * 1000)])
         if held >= 0:
             raise LimitExceededError("max_streams_per_key", f"this key already has {held} streams open, at most "
@@ -137,47 +132,36 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
         while True:
             await asyncio.sleep(self.options.stream_lease_s / 3)
             with contextlib.suppress(*REDIS_ERRORS):  # a lapse past the lease frees a slot early, no more
-                await self._renew(keys=[_streams_key(tenant)], args=[lease, lease_ms])
+                await self._renew(keys=[tenant_streams_key(tenant)], args=[lease, lease_ms])
 
     async def _close_stream(self, tenant: str, lease: str) -> None:
         with contextlib.suppress(*REDIS_ERRORS):  # if Redis is away the lease runs out by itself
-            await self.redis.zrem(_streams_key(tenant), lease)
+            await self.redis.zrem(tenant_streams_key(tenant), lease)
 
-    def _limited(self, behavior, streaming: bool):
-        import inspect
+    @contextlib.asynccontextmanager
+    async def _admitted(self, streaming: bool, request, context) -> AsyncIterator[Any]:
+        """The call goes on within the tenant's rate, a stream while it holds a slot (kept till it ends)."""
+        tenant = TENANT.get()
+        lease = await self._admit(request, context, tenant, streaming)
+        keeper = asyncio.create_task(self._keep_stream(tenant, lease)) if lease else None
+        try:
+            yield request
+        finally:
+            if keeper is not None:
+                keeper.cancel()
+                await self._close_stream(tenant, lease)  # type: ignore[arg-type]
 
-        async def admit(request, context, tenant: str, stream: bool) -> str | None:
-            try:
-                await self._check_rate(tenant)
-                return await self._open_stream(tenant) if stream else None
-            except LimitExceededError as e:
-                await abort_refused(request, context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"gateway: {e}")
-            except REDIS_ERRORS as e:
-                await abort_refused(request, context, grpc.StatusCode.UNAVAILABLE,
-                                    f"gateway: the per-key limits cannot be checked: {e}")
-            return None
-
-        if inspect.isasyncgenfunction(behavior):
-            async def stream(request, context):
-                tenant = TENANT.get()
-                lease = await admit(request, context, tenant, streaming)
-                keeper = asyncio.create_task(self._keep_stream(tenant, lease)) if lease else None
-                responses = behavior(request, context)
-                try:
-                    async for item in responses:
-                        yield item
-                finally:
-                    if keeper is not None:
-                        keeper.cancel()
-                        await self._close_stream(tenant, lease)  # type: ignore[arg-type]
-                    await responses.aclose()
-            return stream
-
-        async def unary(request, context):
-            await admit(request, context, TENANT.get(), False)
-            result = behavior(request, context)
-            return await result if inspect.isawaitable(result) else result
-        return unary
+    async def _admit(self, request, context, tenant: str, stream: bool) -> str | None:
+        """The stream's lease id (None: not a limited stream); a call over a limit is refused."""
+        try:
+            await self._check_rate(tenant)
+            return await self._open_stream(tenant) if stream else None
+        except LimitExceededError as e:
+            await abort_refused(request, context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"gateway: {e}")
+        except REDIS_ERRORS as e:
+            await abort_refused(request, context, grpc.StatusCode.UNAVAILABLE,
+                                f"gateway: the per-key limits cannot be checked: {e}")
+        return None
 
 
 def interceptors(settings: Any, service: str, redis: Any = None) -> list[grpc.aio.ServerInterceptor]:
@@ -190,17 +174,13 @@ def interceptors(settings: Any, service: str, redis: Any = None) -> list[grpc.ai
     return [LimitsInterceptor(o, redis)]
 
 
-def _sessions_key(tenant: str) -> str:
-    return f"sv:tenant:{tenant or '_'}:sessions"
-
-
 async def hold_session(redis: Any, options: LimitOptions, tenant: str, session_id: str, ttl_s: int) -> None:
     """Count a session just created against its tenant (a sorted set scored by expiry); past the
     limit it is taken back and deleted (nobody has its id yet). Adding and counting in one MULTI
     means concurrent creations never overshoot (they may both be refused)."""
     if not options.max_sessions_per_key:
         return
-    key, now = _sessions_key(tenant), time.time()
+    key, now = tenant_sessions_key(tenant), time.time()
     async with redis.pipeline(transaction=True) as pipe:
         pipe.zremrangebyscore(key, "-inf", now)
         pipe.zadd(key, {session_id: now + ttl_s})
@@ -210,7 +190,7 @@ async def hold_session(redis: Any, options: LimitOptions, tenant: str, session_i
     if held > options.max_sessions_per_key:
         async with redis.pipeline(transaction=False) as pipe:
             pipe.zrem(key, session_id)
-            pipe.delete(f"sv:session:{session_id}")
+            pipe.delete(session_key(session_id))
             await pipe.execute()
         raise LimitExceededError("max_sessions_per_key", f"this key holds {held - 1} sessions, at most "
                                  f"{options.max_sessions_per_key} (limits.max_sessions_per_key): reuse one, or "
@@ -221,8 +201,8 @@ async def renew_session(redis: Any, options: LimitOptions, tenant: str, session_
     """A session in use is still held: its expiry in the count moves with the session's own."""
     if options.max_sessions_per_key:
         async with redis.pipeline(transaction=False) as pipe:
-            pipe.zadd(_sessions_key(tenant), {session_id: time.time() + ttl_s}, xx=True)
-            pipe.expire(_sessions_key(tenant), ttl_s)
+            pipe.zadd(tenant_sessions_key(tenant), {session_id: time.time() + ttl_s}, xx=True)
+            pipe.expire(tenant_sessions_key(tenant), ttl_s)
             await pipe.execute()
 
 
@@ -230,7 +210,7 @@ async def count_turn(redis: Any, options: LimitOptions, session_id: str, ttl_s: 
     """One more turn of the session's conversation, refused past `max_turns_per_session`."""
     if not options.max_turns_per_session:
         return
-    key = f"sv:session:{session_id}:turns"
+    key = session_turns_key(session_id)
     async with redis.pipeline(transaction=False) as pipe:
         pipe.incr(key)
         pipe.expire(key, ttl_s)
@@ -272,6 +252,10 @@ class EventQueue(asyncio.Queue):
                     self.on_overflow()
             return
         super().put_nowait(item)
+
+    def failure(self) -> LimitExceededError | None:
+        """The error the stream ends with, once it overflowed (services/gateway/ports.EventSink)."""
+        return self.error() if self.overflowed else None
 
     def error(self) -> LimitExceededError:
         return LimitExceededError("max_queued_events", f"the client fell more than {self.limit} events behind "

@@ -10,6 +10,11 @@ import json
 import logging
 import time
 
+try:
+    from opentelemetry import trace as otel_trace
+except ImportError:  # the otel extra is not installed: no trace ids on records
+    otel_trace = None
+
 SESSION_ID: contextvars.ContextVar[str] = contextvars.ContextVar("specvox_session_id", default="")
 TURN_ID: contextvars.ContextVar[str] = contextvars.ContextVar("specvox_turn_id", default="")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -30,10 +35,8 @@ class ContextFilter(logging.Filter):
         record.session_id = SESSION_ID.get()
         record.turn_id = TURN_ID.get()
         record.trace_id = record.span_id = ""
-        from services.server import tracing
-
-        if tracing.AVAILABLE:
-            context = tracing.trace.get_current_span().get_span_context()
+        if otel_trace is not None:
+            context = otel_trace.get_current_span().get_span_context()
             if context.is_valid:
                 record.trace_id, record.span_id = f"{context.trace_id:032x}", f"{context.span_id:016x}"
         return True
@@ -63,7 +66,7 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False)
 
 
-def configure(level: str = "INFO", fmt: str = "text", service: str = "") -> None:
+def configure_logging(level: str = "INFO", fmt: str = "text", service: str = "") -> None:
     """The root logger's handler to stderr, text or JSON (replacing one set here before; handlers
     others added, such as a test runner's, stay)."""
     if fmt not in ("text", "json"):

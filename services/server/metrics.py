@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
-from services.server.auth import replace_behavior
+from services.server.interceptors import wrap_handler
 
 log = logging.getLogger(__name__)
 
@@ -99,61 +100,28 @@ class RequestMetricsInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        method = _method(handler_call_details.method)
-        return replace_behavior(handler, lambda behavior: self._counted(behavior, method))
+        return wrap_handler(handler, functools.partial(self._counted, _method(handler_call_details.method)))
 
-    def _counted(self, behavior, method: str):
-        import inspect
-
+    @contextlib.asynccontextmanager
+    async def _counted(self, method: str, request, context) -> AsyncIterator[Any]:
         service = self.service
         gateway_converse = service == "gateway" and method.endswith("/Converse")
-
-        def begin() -> float:
-            ACTIVE_REQUESTS.labels(service, method).inc()
-            if gateway_converse:
-                ACTIVE_SESSIONS.inc()
-            return time.perf_counter()
-
-        def end(started: float, code: str) -> None:
+        ACTIVE_REQUESTS.labels(service, method).inc()
+        if gateway_converse:
+            ACTIVE_SESSIONS.inc()
+        started, code = time.perf_counter(), "UNKNOWN"
+        try:
+            yield request
+            code = _code_name(context)
+        except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit) as e:
+            code = _code_name(context) if isinstance(e, grpc.aio.AbortError) else "CANCELLED"
+            raise
+        finally:
             ACTIVE_REQUESTS.labels(service, method).dec()
             if gateway_converse:
                 ACTIVE_SESSIONS.dec()
             REQUESTS.labels(service, method, code).inc()
             REQUEST_DURATION.labels(service, method).observe(time.perf_counter() - started)
-
-        if inspect.isasyncgenfunction(behavior):
-            async def stream(request, context):
-                started, code = begin(), "UNKNOWN"
-                responses = behavior(request, context)
-                try:
-                    async for item in responses:
-                        yield item
-                    code = _code_name(context)
-                except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit) as e:
-                    code = _code_name(context) if isinstance(e, grpc.aio.AbortError) else "CANCELLED"
-                    raise
-                finally:
-                    end(started, code)
-                    await responses.aclose()
-            return stream
-
-        async def unary(request, context):
-            started, code = begin(), "UNKNOWN"
-            try:
-                result = behavior(request, context)
-                if inspect.isawaitable(result):
-                    result = await result
-                code = _code_name(context)
-                return result
-            except grpc.aio.AbortError:
-                code = _code_name(context)
-                raise
-            except asyncio.CancelledError:
-                code = "CANCELLED"
-                raise
-            finally:
-                end(started, code)
-        return unary
 
 
 def _after_s(unix_ms: int, speech_end_unix_ms: int) -> float | None:
@@ -213,7 +181,7 @@ def limited(limit: str) -> None:
 
 async def watch_streams(redis: Any, stages: Iterable[str] = ("llm", "tts"), every_s: float = 5.0) -> None:
     """The work streams' consumer-group lag and pending counts (XINFO GROUPS), every `every_s`."""
-    from services.store.work_queue import dead_key, work_key
+    from services.store.keys import dead_key, work_key
 
     while True:
         for stage in stages:

@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import inspect
+import functools
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
 
 from services import channels
 from services.server import logs
-from services.server.auth import replace_behavior
+from services.server.interceptors import wrap_handler
 
 log = logging.getLogger(__name__)
 
@@ -87,55 +87,29 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
         carrier = {k: (v.decode() if isinstance(v, bytes) else v)
                    for k, v in (handler_call_details.invocation_metadata or ())}
         name = f"{self.service} {handler_call_details.method.lstrip('/')}"
-        return replace_behavior(handler, lambda behavior: self._traced(behavior, name, carrier))
+        return wrap_handler(handler, functools.partial(self._traced, name, carrier))
 
-    def _traced(self, behavior, name: str, carrier: dict[str, str]):
-        service = self.service
-
-        def start():
-            """The span, current in the call's own task from here on: grpc runs each call in a task
-            of its own, so it is never detached (a stream may be closed from another task's context)."""
-            parent = propagate.extract(carrier)
-            span = _tracer().start_span(name, context=parent, kind=SpanKind.SERVER,
-                                        attributes={"specvox.service": service, "rpc.system": "grpc"})
-            otel_context.attach(trace.set_span_in_context(span, parent))
-            return span, None
-
-        def finish(span, _token, context, error: BaseException | None) -> None:
+    @contextlib.asynccontextmanager
+    async def _traced(self, name: str, carrier: dict[str, str], request, context) -> AsyncIterator[Any]:
+        # The span is current in the call's own task from here on: grpc runs each call in a task of
+        # its own, so it is never detached (a stream may be closed from another task's context).
+        parent = propagate.extract(carrier)
+        span = _tracer().start_span(name, context=parent, kind=SpanKind.SERVER,
+                                    attributes={"specvox.service": self.service, "rpc.system": "grpc"})
+        otel_context.attach(trace.set_span_in_context(span, parent))
+        error: BaseException | None = None
+        try:
+            yield request
+        except BaseException as e:
+            error = e
+            raise
+        finally:
             code = context.code()
             if error is not None and not isinstance(error, grpc.aio.AbortError | GeneratorExit):
                 span.set_status(Status(StatusCode.ERROR, type(error).__name__))
             elif code not in (None, grpc.StatusCode.OK, 0):
                 span.set_status(Status(StatusCode.ERROR, str(code)))
             span.end()
-
-        if inspect.isasyncgenfunction(behavior):
-            async def stream(request, context):
-                span, token = start()
-                responses, error = behavior(request, context), None
-                try:
-                    async for item in responses:
-                        yield item
-                except BaseException as e:
-                    error = e
-                    raise
-                finally:
-                    finish(span, token, context, error)
-                    await responses.aclose()
-            return stream
-
-        async def unary(request, context):
-            span, token = start()
-            error = None
-            try:
-                result = behavior(request, context)
-                return await result if inspect.isawaitable(result) else result
-            except BaseException as e:
-                error = e
-                raise
-            finally:
-                finish(span, token, context, error)
-        return unary
 
 
 def server_interceptor(service: str) -> grpc.aio.ServerInterceptor | None:

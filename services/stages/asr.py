@@ -20,12 +20,16 @@ from pipeline.asr_stream import (
     join_words,
 )
 from pipeline.audio import AudioStreamReader, PcmFormat, PcmStreamDecoder
-from services.grpc_server import ModelWorker, Service, StageClock, service_main, status_on_error
 from services.protos import load, load_common
-from services.redis_store import SessionStore, now_ms
-from services.runtime import open_redis
 from services.server import logs
+from services.server.errors import status_on_error
+from services.server.model_worker import ModelWorker
+from services.server.runtime import Service, service_main
+from services.server.stage_clock import StageClock
 from services.settings import Settings
+from services.store.client import now_ms
+from services.store.context import open_redis
+from services.store.sessions import SessionStore
 
 pb, pb_grpc = load("asr")
 common = load_common()  # AudioFormat, Word, StageTimes (specvox.common.v1)

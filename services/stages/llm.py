@@ -28,32 +28,27 @@ from pipeline.llm.model import LoadedModel, load_model
 from pipeline.llm.options import SamplingOptions
 from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, fit_history
 from pipeline.models import resolve_llm
-from services.grpc_server import (
-    ModelWorker,
-    Service,
-    StageClock,
-    service_main,
-    status_on_error,
-    work_through_log,
-)
 from services.protos import load, load_common
-from services.redis_store import (
+from services.server import logs, metrics, tracing
+from services.server.errors import status_on_error, work_through_log
+from services.server.model_worker import ModelWorker
+from services.server.runtime import Service, service_main
+from services.server.stage_clock import StageClock
+from services.settings import Settings
+from services.store.client import REDIS_ERRORS, now_ms
+from services.store.context import RedisContext, open_redis
+from services.store.keys import token_stream_key, turn_key
+from services.store.sessions import SessionStore
+from services.store.turn_log import (
     LogGap,
     LogMoved,
-    SessionStore,
     TokenEntry,
     TokenStreamWriter,
     TurnLogWriter,
     TurnStore,
-    now_ms,
     read_token_log,
-    token_stream_key,
-    turn_key,
 )
-from services.runtime import RedisContext, open_redis
-from services.server import logs, metrics, tracing
-from services.settings import Settings
-from services.store.work_queue import REDIS_ERRORS, WorkItem, WorkQueue, run_worker, work_request
+from services.store.work_queue import WorkItem, WorkQueue, run_worker, work_request
 
 log = logging.getLogger(__name__)
 pb, pb_grpc = load("llm")
@@ -117,9 +112,9 @@ class LlmServicer(pb_grpc.LlmServicer):
     async def work(self, draining: asyncio.Event) -> None:
         """The llm's queue worker: turns taken from `sv:work:llm` (services/store/work_queue.py) until the drain,
         as many at once as a batch holds."""
-        options = self.settings.work
-        queue = WorkQueue(self.redis.client, "llm", self.settings.worker_name_of("llm"), options)
-        capacity = options.llm_concurrency or max(1, self.settings.llm.max_batch_size)
+        settings = self.settings
+        queue = WorkQueue(self.redis.client, "llm", settings.worker_name_of("llm"), settings.work)
+        capacity = settings.llm_concurrency or max(1, settings.llm.max_batch_size)
         await run_worker(queue, self._work, capacity, draining, self._dead)
 
     async def _work(self, item: WorkItem) -> None:

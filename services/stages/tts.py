@@ -21,31 +21,21 @@ import grpc
 
 from pipeline.audio import float_to_pcm16
 from pipeline.models import resolve_piper_voice
-from pipeline.tts.backend import Synthesizer, load_synthesizer
+from pipeline.tts.backend import Synthesizer
 from pipeline.tts.phrases import PhraseCutter, PhraseOptions
 from pipeline.tts.speaker import ReplySpeaker, SpeechPiece
-from services.grpc_server import (
-    ModelWorker,
-    Service,
-    StageClock,
-    service_main,
-    status_on_error,
-    work_through_log,
-)
+from pipeline.tts.synthesizers import load_synthesizer
 from services.protos import load, load_common
-from services.redis_store import (
-    SpeechEntry,
-    TurnLogWriter,
-    finish_turn,
-    now_ms,
-    read_speech_log,
-    read_token_stream,
-    speech_stream_key,
-    turn_key,
-)
-from services.runtime import RedisContext, open_redis
 from services.server import logs, tracing
+from services.server.errors import status_on_error, work_through_log
+from services.server.model_worker import ModelWorker
+from services.server.runtime import Service, service_main
+from services.server.stage_clock import StageClock
 from services.settings import Settings
+from services.store.client import now_ms
+from services.store.context import RedisContext, open_redis
+from services.store.keys import speech_stream_key, turn_key
+from services.store.turn_log import SpeechEntry, TurnLogWriter, finish_turn, read_speech_log, read_token_stream
 from services.store.work_queue import WorkItem, WorkQueue, run_worker, work_request
 
 log = logging.getLogger(__name__)
@@ -83,9 +73,9 @@ class TtsServicer(pb_grpc.TtsServicer):
     async def work(self, draining: asyncio.Event) -> None:
         """The tts's queue worker: turns taken from `sv:work:tts` (services/store/work_queue.py) until the
         drain, several at once (they take the model thread in turns, piece by piece)."""
-        options = self.settings.work
-        queue = WorkQueue(self.redis.client, "tts", self.settings.worker_name_of("tts"), options)
-        await run_worker(queue, self._work, max(1, options.tts_concurrency), draining, self._dead)
+        settings = self.settings
+        queue = WorkQueue(self.redis.client, "tts", settings.worker_name_of("tts"), settings.work)
+        await run_worker(queue, self._work, max(1, settings.tts_concurrency), draining, self._dead)
 
     async def _work(self, item: WorkItem) -> None:
         """One turn from the queue; a request that can never succeed ends the turn's speech with its reason."""
@@ -106,7 +96,7 @@ class TtsServicer(pb_grpc.TtsServicer):
 
     @property
     def _done_ttl(self) -> int:
-        return self.settings.work.done_ttl_s
+        return self.settings.finished_turn_ttl_s
 
     async def _speak_turn(self, request, clock: StageClock, replay: bool) -> AsyncIterator:
         """The turn's speech events, each piece written to its speech stream before it is yielded.
@@ -159,7 +149,7 @@ class TtsServicer(pb_grpc.TtsServicer):
         await writer.append(*_numbered(writer, [
             SpeechEntry(0, "times", event=event.SerializeToString()),
             SpeechEntry(0, "end", data={"finish_reason": reason, **({"error": error} if error else {})})]))
-        await finish_turn(self.redis.client, request.turn_id, self.settings.work.done_ttl_s)
+        await finish_turn(self.redis.client, request.turn_id, self._done_ttl)
         yield event
 
     async def Synthesize(self, request, context: grpc.aio.ServicerContext) -> AsyncIterator:

@@ -1,8 +1,9 @@
 """Turn work handed out through Redis Streams consumer groups: any number of workers per stage.
 
-One stream per stage (`sv:work:<stage>`) read by one consumer group (`<stage>`); every worker
-reads it under its stable consumer name. An entry is the whole of one turn's work for that
-stage; the worker that holds it acks it (and deletes it) once the turn is done.
+One stream per stage (`sv:work:<stage>`, services/store/keys.py) read by one consumer group
+(`<stage>`); every worker reads it under its stable consumer name (Settings.worker_name_of). An
+entry is the whole of one turn's work for that stage; the worker that holds it acks it (and
+deletes it) once the turn is done.
 
 - A live worker keeps what it holds: every `refresh_ms` it resets the idle time of each entry
   it works on (XCLAIM ... JUSTID to itself, only while it is still the owner) and renews its
@@ -33,7 +34,6 @@ import contextlib
 import json
 import logging
 import os
-import socket
 import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
@@ -42,15 +42,15 @@ from typing import TypeVar
 import redis.asyncio as aioredis
 from google.protobuf import json_format
 from google.protobuf.message import Message
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from services.store.client import REDIS_ERRORS, now_ms
+from services.store.keys import attempts_key, dead_key, heartbeat_key, work_key
 
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
 HANDED_BACK_IDLE_MS = 10**9  # an entry handed back looks idle this long: the next poll takes it
-REDIS_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
 @dataclass(frozen=True)
@@ -68,33 +68,14 @@ class WorkOptions:
     heartbeat_ttl_ms: int = 2_000  # the consumer's heartbeat key lives this long after its last beat
     max_deliveries: int = 3  # delivered more often than this: dead-lettered
     drain_grace_s: float = 5.0  # on SIGTERM, held turns may finish this long, then are handed back
-    llm_concurrency: int = 0  # turns one llm worker takes at once; 0: llm.max_batch_size
-    tts_concurrency: int = 8  # turns one tts worker speaks at once (they take turns piece by piece)
-    done_ttl_s: int = 120  # a finished turn's speech stream (audio) is kept this long
     dead_max_len: int = 1_000  # dead letters kept per stage (approximate MAXLEN)
     consumer_gc_idle_s: float = 300.0  # a consumer with nothing pending, no heartbeat, idle this long is removed
-
-
-def work_key(stage: str) -> str:
-    return f"sv:work:{stage}"
-
-
-def dead_key(stage: str) -> str:
-    return f"sv:work:{stage}:dead"
-
-
-def attempts_key(stage: str) -> str:
-    return f"sv:work:{stage}:attempts"
-
-
-def heartbeat_key(stage: str, consumer: str) -> str:
-    return f"sv:work:{stage}:alive:{consumer}"
 
 
 def turn_work(turn_id: str, request: Message, **extra: str) -> dict[str, str]:
     """A turn's work entry: everything the stage's call carried (the request as protobuf JSON), plus
     `extra` (the producer's trace context)."""
-    return {"turn": turn_id, "request": json_format.MessageToJson(request, indent=None), "t_ms": str(_now_ms()),
+    return {"turn": turn_id, "request": json_format.MessageToJson(request, indent=None), "t_ms": str(now_ms()),
             **extra}
 
 
@@ -103,13 +84,9 @@ def work_request(item: WorkItem, message_type: type[M]) -> M:
     return json_format.Parse(item.fields["request"], message_type())
 
 
-def connection_name(stage: str, consumer: str) -> str:
+def _connection_name(stage: str, consumer: str) -> str:
     """The name of a worker's liveness connection (CLIENT SETNAME takes no spaces)."""
     return f"sv-worker.{stage}.{consumer}".replace(" ", "_")
-
-
-def default_consumer_name(stage: str) -> str:
-    return f"{stage}-{socket.gethostname()}-{os.getpid()}"
 
 
 @dataclass(frozen=True)
@@ -179,12 +156,13 @@ return 1
 
 
 class WorkQueue:
-    """One stage's work stream, seen by one consumer."""
+    """One stage's work stream, seen by one consumer: a worker, under its stable name
+    (Settings.worker_name_of); a producer, which only adds work, needs none."""
 
     def __init__(self, redis: aioredis.Redis, stage: str, consumer: str = "",
                  options: WorkOptions = WorkOptions()) -> None:
         self.redis, self.stage, self.options = redis, stage, options
-        self.consumer = consumer or default_consumer_name(stage)
+        self.consumer = consumer
         self.key, self.group = work_key(stage), stage
         self._refresh = redis.register_script(_REFRESH)
         self._hand_back = redis.register_script(_HAND_BACK)
@@ -219,6 +197,8 @@ class WorkQueue:
         life, then entries idle past `claim_idle_ms`, then new ones (waiting up to `block_ms`).
         `holding`: the ids this consumer works on, or is still letting go of (acking, handing back):
         never claimed again meanwhile, not even from itself; the poll after they are let go takes them."""
+        if not self.consumer:
+            raise ValueError(f"{self.stage}: a queue without a consumer name only adds work")
         if count < 1:
             return []
         if not self._group_ready:
@@ -280,7 +260,7 @@ class WorkQueue:
             log.warning("%s: CLIENT LIST refused (%s): a dead worker's turns wait claim_idle_ms", self.stage, e)
             self._can_list_clients = False
             return []
-        dead = [e["message_id"] for e in stale if connection_name(self.stage, e["consumer"]) not in connected]
+        dead = [e["message_id"] for e in stale if _connection_name(self.stage, e["consumer"]) not in connected]
         if not dead:
             return []
         claimed = await self.redis.xclaim(self.key, self.group, self.consumer, self.options.claim_disconnected_ms,
@@ -306,7 +286,7 @@ class WorkQueue:
 
     async def _record(self, entry_id: str, op: str, text: str) -> None:
         keep = 4 * (self.options.max_deliveries + 1)
-        await self._attempt(keys=[attempts_key(self.stage)], args=[entry_id, self.consumer, op, text, _now_ms(), keep])
+        await self._attempt(keys=[attempts_key(self.stage)], args=[entry_id, self.consumer, op, text, now_ms(), keep])
 
     async def attempts(self, item: WorkItem) -> list[dict]:
         return json.loads(await self.redis.hget(attempts_key(self.stage), item.id) or "[]")
@@ -330,9 +310,9 @@ class WorkQueue:
         a connection redis-py made anew after a Redis restart has no name)."""
         if self._liveness is None:
             self._liveness = aioredis.Redis(connection_pool=self.redis.connection_pool, single_connection_client=True)
-        await self._liveness.client_setname(connection_name(self.stage, self.consumer))  # (a pipeline
+        await self._liveness.client_setname(_connection_name(self.stage, self.consumer))  # (a pipeline
         await self._liveness.set(heartbeat_key(self.stage, self.consumer),  # would take another connection)
-                                 json.dumps({"held": held, "unix_ms": _now_ms(), "pid": os.getpid()}),
+                                 json.dumps({"held": held, "unix_ms": now_ms(), "pid": os.getpid()}),
                                  px=self.options.heartbeat_ttl_ms)
 
     async def ack(self, item: WorkItem) -> None:
@@ -364,7 +344,7 @@ class WorkQueue:
         failed = [a for a in earlier if not a.get("spared")]
         letter = {**item.fields, "work_id": item.id, "deliveries": str(len(failed)),
                   "handed_out": str(item.deliveries - 1), "error": failed[-1]["error"] if failed else "unknown",
-                  "attempts": json.dumps(earlier), "dead_unix_ms": str(_now_ms())}
+                  "attempts": json.dumps(earlier), "dead_unix_ms": str(now_ms())}
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.xadd(dead_key(self.stage), letter, maxlen=self.options.dead_max_len, approximate=True)
             pipe.xack(self.key, self.group, item.id)
@@ -520,7 +500,3 @@ async def _quietly(awaitable: Awaitable[object], what: str) -> None:
         await awaitable
     except REDIS_ERRORS as e:  # the entry stays pending; it is reclaimed once Redis is back
         log.warning("%s: %s", what, e)
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)

@@ -25,11 +25,6 @@ from pipeline.asr import (
 from pipeline.asr_stream import spoken_words
 
 
-@pytest.fixture(scope="module")
-def transcriber():
-    return Transcriber(AsrOptions())
-
-
 def stream(segmenter: UtteranceSegmenter, audio: np.ndarray, chunk_s: float = 0.1):
     step = int(chunk_s * SAMPLE_RATE_HZ)
     closed = []

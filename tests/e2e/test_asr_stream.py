@@ -85,11 +85,6 @@ def test_normalised_text_ignores_case_and_punctuation():
     assert normalised_text("Is it ten?") != normalised_text("Is it ten past?")
 
 
-@pytest.fixture(scope="module")
-def transcriber():
-    return Transcriber(AsrOptions())
-
-
 def stream(recognizer: StreamingRecognizer, audio: np.ndarray, chunk_s: float = 0.1) -> list:
     step = int(chunk_s * SAMPLE_RATE_HZ)
     events = []
@@ -374,7 +369,7 @@ def test_voice_between_utterances_is_reported_in_stream_order(speech, transcribe
 
 
 def test_voice_events_map_onto_the_asr_protos_shared_types():
-    from services.grpc_server import StageClock
+    from services.server.stage_clock import StageClock
     from services.stages.asr import Kind, _event, common
 
     clock = StageClock("asr")

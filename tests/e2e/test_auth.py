@@ -15,6 +15,7 @@ from services.channels import open_channel
 from services.server import auth, hooks
 from services.server.auth import AuthOptions, KeyRing, add_key, hash_key, read_key_file, revoke
 from services.settings import Settings
+from tests.grpc_status import status_code
 
 GATEWAY_KEY = "svk_test-key-of-tenant-acme-000000000000000"
 
@@ -32,21 +33,12 @@ async def _server(settings: Settings, service: str):
 
 async def _reflect(channel, metadata=None) -> grpc.StatusCode:
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-    try:
-        async for _ in stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                                 metadata=metadata):
-            pass
-    except grpc.aio.AioRpcError as e:
-        return e.code()
-    return grpc.StatusCode.OK
+    return await status_code(stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), metadata=metadata))
 
 
 async def _health(channel) -> grpc.StatusCode:
-    try:
-        await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-    except grpc.aio.AioRpcError as e:
-        return e.code()
-    return grpc.StatusCode.OK
+    return await status_code(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5))
 
 
 def test_key_file_keeps_hashes_only_and_rejects_bad_lines(tmp_path):
@@ -140,29 +132,20 @@ def test_service_token_generated_once(tmp_path):
 # -- the four real services under `specvox up` --------------------------------------------------
 
 def _calls(module, service_name: str):
-    """(method name, a call with an empty request) for every method of a service."""
+    """(method name, whether it takes a request stream, an empty request) for every method of a service."""
     from google.protobuf.message_factory import GetMessageClass
 
     for method in module.DESCRIPTOR.services_by_name[service_name].methods:
         request = GetMessageClass(method.input_type)()
-        yield method.name, method.client_streaming, method.server_streaming, request
+        yield method.name, method.client_streaming, request
 
 
-async def _status(channel, module, grpc_module, service_name: str, method: str, client_streaming: bool,
-                  server_streaming: bool, request) -> grpc.StatusCode:
+async def _status(channel, grpc_module, service_name: str, method: str, client_streaming: bool,
+                  request) -> grpc.StatusCode:
     stub = getattr(grpc_module, f"{service_name}Stub")(channel)
     # A request stream sends nothing: an asyncio client whose write races the server's refusal may
     # report INTERNAL "Internal error from Core" instead of the server's status (grpc/grpc#36066).
-    call = getattr(stub, method)(iter([]) if client_streaming else request, timeout=30)
-    try:
-        if server_streaming:
-            async for _ in call:
-                pass
-        else:
-            await call
-    except grpc.aio.AioRpcError as e:
-        return e.code()
-    return grpc.StatusCode.OK
+    return await status_code(getattr(stub, method)(iter([]) if client_streaming else request, timeout=30))
 
 
 @pytest.mark.e2e
@@ -177,9 +160,9 @@ async def test_every_method_of_every_service_refuses_missing_and_wrong_credentia
 
     keys = tmp_path / "keys"
     key = add_key(keys, "acme")
-    from tests.conftest import STACK_PORT_SPAN, free_ports
+    from services.stack import PORT_SPAN, free_ports
 
-    metrics_port = free_ports(STACK_PORT_SPAN)  # up gives the gateway this port, asr, llm and tts the next three
+    metrics_port = free_ports(PORT_SPAN)  # up gives the gateway this port, asr, llm and tts the next three
     env = {"SPECVOX_AUTH__KEYS_FILE": str(keys), "SPECVOX_REDIS__DATA_DIR": str(tmp_path / "data" / "valkey"),
            "SPECVOX_METRICS_PORT": str(metrics_port)}
     with specvox_up(redis_url, tmp_path, env) as stack:
@@ -189,10 +172,10 @@ async def test_every_method_of_every_service_refuses_missing_and_wrong_credentia
             module, grpc_module = load(name)
             secrets = {"none": "", "wrong": "svk_not-a-key", "tenant key" if name != "gateway" else "token":
                        key if name != "gateway" else token + "x"}
-            for method, cs, ss, request in _calls(module, service_name):
+            for method, cs, request in _calls(module, service_name):
                 for what, secret in secrets.items():
                     async with open_channel(stack[name], secret=secret) as channel:
-                        code = await _status(channel, module, grpc_module, service_name, method, cs, ss, request)
+                        code = await _status(channel, grpc_module, service_name, method, cs, request)
                     refused.append((name, method, what, code))
         wrong = [r for r in refused if r[3] != grpc.StatusCode.UNAUTHENTICATED]
         assert not wrong, wrong

@@ -22,17 +22,15 @@ import os
 from collections.abc import Callable
 
 import pytest
-import torch
 
-from bench.prompts import load_prompts
 from pipeline.llm.batch import BatchedDecoder, BatchScheduler
 from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator
-from pipeline.llm.model import load_model
 from pipeline.llm.options import LlmOptions, SamplingOptions
+from pipeline.llm.prompt_sets import load_prompts
 from pipeline.llm.prompts import DEFAULT_PERSONA, Task, chat_messages, encode_chat, fit_history
-from services.grpc_server import ModelWorker
 from services.protos import load
-from tests.conftest import llm_on_loopback
+from services.server.model_worker import ModelWorker
+from tests.conftest import llm_on_loopback, with_a_perturbed_draft
 
 PROMPTS = load_prompts()
 DEVICE = os.environ.get("SPECVOX_LLM__DEVICE", "cpu")  # bench/gpu_check.sh runs these on cuda
@@ -43,13 +41,7 @@ DRAFTERS = ("none", "ngram", "suffix", "early-exit", "quantized", "draft")
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llm_dir):
-    target = load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float64", device=DEVICE))
-    torch.manual_seed(1)
-    draft = load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float64", device=DEVICE))
-    with torch.no_grad():  # a drafter that is often right, not always
-        for p in draft.model.parameters():
-            p.add_(0.005 * torch.randn_like(p))
-    return Generator(target, draft, early_exit_layers=2)
+    return with_a_perturbed_draft(LlmOptions(model=str(tiny_llm_dir), dtype="float64", device=DEVICE))
 
 
 def offered(generator: Generator) -> tuple[str, ...]:

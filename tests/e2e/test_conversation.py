@@ -20,7 +20,10 @@ import webvtt
 from pipeline.audio import PcmFormat, float_to_pcm16
 from services.client import ClientOptions, Say, converse_script
 from services.protos import load, load_common
-from services.redis_store import SessionStore, connect, read_token_stream
+from services.store.client import connect
+from services.store.sessions import SessionStore
+from services.store.turn_log import read_token_stream
+from tests.grpc_status import expect_status
 
 pytestmark = pytest.mark.e2e
 gw, gw_grpc = load("gateway")
@@ -210,15 +213,12 @@ async def test_caption_mode_times_cleaned_captions_on_the_input_timeline(stack, 
 async def test_bad_session_config_values_are_refused_by_name(stack, config, field):
     async with grpc.aio.insecure_channel(stack["gateway"]) as channel:
         stub = gw_grpc.GatewayStub(channel)
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            await stub.CreateSession(gw.CreateSessionRequest(config=gw.SessionConfig(**config)))
-        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in caught.value.details()
+        await expect_status(grpc.StatusCode.INVALID_ARGUMENT, field,
+                            stub.CreateSession(gw.CreateSessionRequest(config=gw.SessionConfig(**config))))
         # The same value as a stream's override is refused alike, before any audio is taken.
         session = await stub.CreateSession(gw.CreateSessionRequest())
         start = gw.StreamStart(session_id=session.session_id, overrides=gw.SessionConfig(**config),
                                format=common.AudioFormat(encoding=common.AudioFormat.PCM_S16LE, sample_rate_hz=16_000))
-        with pytest.raises(grpc.aio.AioRpcError) as caught:
-            async for _ in stub.Converse(iter([gw.ClientMessage(start=start)])):
-                pass
-        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in caught.value.details()
+        await expect_status(grpc.StatusCode.INVALID_ARGUMENT, field,
+                            stub.Converse(iter([gw.ClientMessage(start=start)])))
         assert session.config.budget_ms == 800 and session.config.mode == gw.SessionConfig.DIALOGUE

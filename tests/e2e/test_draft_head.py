@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from bench.prompts import load_prompts
 from pipeline.llm.batch import BatchedDecoder
 from pipeline.llm.draft_corpus import CorpusPrompt, build_corpus, overlapping, usable_user_turn
 from pipeline.llm.draft_head import (
@@ -35,6 +34,7 @@ from pipeline.llm.draft_length import VerifyCost
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.model import load_model
 from pipeline.llm.options import LlmOptions, SamplingOptions
+from pipeline.llm.prompt_sets import load_prompts
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 from pipeline.llm.train_draft import TrainOptions, autocast_dtype, corpus_for, train, user_turn_prefix
 

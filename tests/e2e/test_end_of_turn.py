@@ -15,6 +15,7 @@ from pipeline.llm.model import load_model
 from pipeline.llm.options import LlmOptions
 from pipeline.llm.prompts import Exchange
 from tests.conftest import llm_on_loopback
+from tests.grpc_status import expect_status
 
 HI = Exchange("Hi.", "Hello! How can I help?")
 
@@ -144,14 +145,12 @@ async def test_the_llm_service_scores_the_sessions_conversation_beside_a_reply(r
               for t in ("Can you tell me", "Can you tell me the time?")),
             stub.EndOfTurn(llm.EndOfTurnRequest(session_id=session, user_text="Hi", system_prompt="Other.")))
         steps = [step async for step in reply]
-        with pytest.raises(grpc.aio.AioRpcError) as empty:
-            await stub.EndOfTurn(llm.EndOfTurnRequest(session_id=session, user_text="  "))
-        with pytest.raises(grpc.aio.AioRpcError) as unknown:
-            await stub.EndOfTurn(llm.EndOfTurnRequest(session_id="nope", user_text="Hello"))
+        await expect_status(grpc.StatusCode.INVALID_ARGUMENT, "",
+                            stub.EndOfTurn(llm.EndOfTurnRequest(session_id=session, user_text="  ")))
+        await expect_status(grpc.StatusCode.NOT_FOUND, "",
+                            stub.EndOfTurn(llm.EndOfTurnRequest(session_id="nope", user_text="Hello")))
     loaded = service.loaded
     assert steps[-1].end
-    assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
     scorer = EndOfTurnScorer(loaded)
     for score, (text, persona) in zip(scores, [("Can you tell me", "Be brief."),
                                                ("Can you tell me the time?", "Be brief."), ("Hi", "Other.")],
@@ -222,8 +221,7 @@ async def test_prepare_prefills_the_conversation_so_the_first_score_reads_only_t
         heard = await stub.Prepare(llm.PrepareRequest(session_id=session, user_text="What is the capital"))
         cached_with_words = cache.reusable(session, reply_prompt)
         score = await stub.EndOfTurn(llm.EndOfTurnRequest(session_id=session, user_text=text))
-        with pytest.raises(grpc.aio.AioRpcError) as unknown:
-            await stub.Prepare(llm.PrepareRequest(session_id="nope"))
+        await expect_status(grpc.StatusCode.NOT_FOUND, "", stub.Prepare(llm.PrepareRequest(session_id="nope")))
     user_tokens = len(loaded.tokenizer.encode(text, add_special_tokens=False))
     assert prepared.prompt_tokens > 0 and prepared.compute_ms > 0
     assert len(reply_prompt) - user_tokens - 8 <= cached <= len(reply_prompt) - user_tokens  # all but the words
@@ -233,7 +231,6 @@ async def test_prepare_prefills_the_conversation_so_the_first_score_reads_only_t
     assert score.cached_tokens >= score.prompt_tokens - 4  # " of spain", and the last token again
     expected = EndOfTurnScorer(loaded).score(text, DEFAULT_PERSONA, history)
     assert score.probability == pytest.approx(expected.probability, rel=1e-3)
-    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 def test_a_score_on_the_sessions_prefix_cache_leaves_the_conversation_for_the_reply(scorer):

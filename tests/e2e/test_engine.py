@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
-from bench.prompts import load_prompts
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.lean_llama import LeanLlama
 from pipeline.llm.model import load_model
 from pipeline.llm.options import LlmOptions
+from pipeline.llm.prompt_sets import load_prompts
 from pipeline.llm.prompts import PromptTooLongError, Task, chat_messages, encode_chat
 
 PROMPTS = load_prompts()

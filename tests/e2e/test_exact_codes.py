@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch.utils import cpp_extension
 
-from bench.prompts import load_prompts
 from pipeline.llm import exact_codes
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.exact_codes import (
@@ -36,6 +35,7 @@ from pipeline.llm.kv_cache import KVCache, layer_tensors
 from pipeline.llm.lean_llama import DECODE_MAX_TOKENS
 from pipeline.llm.model import auto_weights, choose_weights, load_model, rollback
 from pipeline.llm.options import LlmOptions
+from pipeline.llm.prompt_sets import load_prompts
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 from pipeline.models import resolve_llm
 

@@ -25,16 +25,10 @@ from pipeline.audio import PcmFormat, float_to_pcm16
 from pipeline.tts.phrases import PhraseCutter, PhraseOptions
 from services.client import ClientOptions, Say, converse_script
 from services.protos import load
-from services.redis_store import (
-    connect,
-    read_speech_log,
-    read_token_log,
-    speech_stream_key,
-    token_stream_key,
-    turn_key,
-)
 from services.settings import Settings
-from services.store.work_queue import dead_key, work_key
+from services.store.client import connect
+from services.store.keys import dead_key, speech_stream_key, token_stream_key, turn_key, work_key
+from services.store.turn_log import read_speech_log, read_token_log
 from tests.conftest import specvox_up
 
 pytestmark = pytest.mark.e2e
@@ -107,7 +101,8 @@ async def talk(addresses, speech, text: str, config: dict = CONFIG) -> list:
 async def uninterrupted_reply(address: str, redis, user_text: str, max_new_tokens: int = CONFIG["max_reply_tokens"]
                               ) -> list[int]:
     """The same turn decoded by the standalone Reply call of a live worker, in a new session."""
-    from services.redis_store import SessionStore, TurnStore
+    from services.store.sessions import SessionStore
+    from services.store.turn_log import TurnStore
 
     session = await SessionStore(redis).create("")
     turn = await TurnStore(redis).create(session)
@@ -177,7 +172,7 @@ async def test_a_tts_worker_killed_mid_reply_the_client_hears_each_phrase_once(w
         starts = [start for start, _ in turn.audio]
         assert starts == sorted(starts)  # one timeline, no audio laid twice
         # What is done is not kept: the work entries are gone, the speech stream (audio) soon expires.
-        assert 0 < await redis.ttl(speech_stream_key(killed["turn"])) <= Settings().work.done_ttl_s
+        assert 0 < await redis.ttl(speech_stream_key(killed["turn"])) <= Settings().finished_turn_ttl_s
         assert not [e for e in await redis.xpending_range(work_key("tts"), "tts", "-", "+", 50)]
     finally:
         await redis.aclose()

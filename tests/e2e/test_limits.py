@@ -15,7 +15,8 @@ from services.protos import load, load_common
 from services.server.auth import AuthOptions, hash_key
 from services.server.limits import LimitOptions
 from services.settings import Settings
-from tests.conftest import free_port
+from services.stack import free_port
+from tests.grpc_status import expect_status, refusal
 from tests.inprocess import four_services, serve_one
 
 gw, gw_grpc = load("gateway")
@@ -78,14 +79,13 @@ async def refused(awaitable, limit: str) -> str:
         return REGISTRY.get_sample_value("specvox_limited_total", {"limit": limit}) or 0.0
 
     before = count()
-    with pytest.raises(grpc.aio.AioRpcError) as e:
-        await awaitable
-    assert count() > before, (limit, e.value)  # the server refused it by this limit
-    if e.value.code() == grpc.StatusCode.INTERNAL and e.value.details() == "Internal error from Core":
+    error = await refusal(awaitable)
+    assert count() > before, (limit, error)  # the server refused it by this limit
+    if error.code() == grpc.StatusCode.INTERNAL and error.details() == "Internal error from Core":
         return f"limits.{limit} (the client saw grpc/grpc#36066)"
-    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
-    assert f"limits.{limit}" in e.value.details(), e.value
-    return e.value.details()
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+    assert f"limits.{limit}" in error.details(), error
+    return error.details()
 
 
 async def open_stream(channel, session_id: str):
@@ -167,8 +167,8 @@ async def test_request_rate_is_shared_across_gateways(gateway, second_gateway, r
 
     Each stream's lease (max_streams_per_key=1 here) is let go before the next opens: the server
     releases it after the client has its NOT_FOUND, and this test is about the rate alone."""
-    from services.redis_store import connect
-    from services.server.limits import _streams_key
+    from services.store.client import connect
+    from services.store.keys import tenant_streams_key
 
     codes = []
     redis = connect(redis_url)
@@ -181,7 +181,7 @@ async def test_request_rate_is_shared_across_gateways(gateway, second_gateway, r
                 except grpc.aio.AioRpcError as e:
                     codes.append(e.code().name)
                 for _ in range(200):
-                    if not await redis.zcard(_streams_key("rate-across")):
+                    if not await redis.zcard(tenant_streams_key("rate-across")):
                         break
                     await asyncio.sleep(0.01)
     finally:
@@ -193,14 +193,14 @@ async def test_request_rate_is_shared_across_gateways(gateway, second_gateway, r
 async def test_a_dead_gateways_stream_frees_its_slot_when_its_lease_runs_out(gateway, redis_url):
     """A gateway killed with a stream open leaves its lease behind (no close ran): the key is refused
     until the lease's end, then served. The lease is written as that gateway's script wrote it."""
-    from services.redis_store import connect
-    from services.server.limits import _streams_key
+    from services.store.client import connect
+    from services.store.keys import tenant_streams_key
 
     session_id = await create(gateway, "lease")
     redis = connect(redis_url)
     try:
         seconds, micros = await redis.time()
-        await redis.zadd(_streams_key("lease"), {"a-dead-gateway": seconds * 1000 + micros // 1000 + 1500})
+        await redis.zadd(tenant_streams_key("lease"), {"a-dead-gateway": seconds * 1000 + micros // 1000 + 1500})
         async with open_channel(gateway, secret=KEYS["lease"]) as channel:
             await refused(open_stream(channel, session_id), "max_streams_per_key")
             await asyncio.sleep(1.6)
@@ -282,9 +282,10 @@ async def test_a_client_that_stops_reading_is_cut_off(small_queue_gateway, speec
             await asyncio.sleep(0.1)
         async with open_channel(gateway) as other:  # meanwhile another stream opens
             (await open_stream(other, other_session)).cancel()
-        with pytest.raises(grpc.aio.AioRpcError) as e:
+
+        async def read_on() -> None:
             for _ in range(10_000):  # without the limit the stream would go on: the wait below fails it
                 if await asyncio.wait_for(call.read(), 60) == grpc.aio.EOF:
                     break
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
-        assert "limits.max_queued_events" in e.value.details()
+
+        await expect_status(grpc.StatusCode.RESOURCE_EXHAUSTED, "limits.max_queued_events", read_on())

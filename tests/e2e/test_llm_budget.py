@@ -136,7 +136,7 @@ async def test_a_one_ms_budget_through_the_service_completes_with_every_degradat
     from pipeline.llm.options import LlmOptions
     from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, fit_history
     from services.protos import load, load_common
-    from services.redis_store import now_ms
+    from services.store.client import now_ms
 
     llm, _ = load("llm")
     common = load_common()

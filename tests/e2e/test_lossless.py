@@ -33,12 +33,12 @@ import os
 import pytest
 
 from bench.lossless import PROMPTS, SAMPLINGS, Case, model_drafters, run_case, sampled_drafters
-from bench.prompts import load_prompts
 from pipeline.llm.batch import BatchedDecoder
 from pipeline.llm.engine import EARLY_EXIT, GenerationRequest, Generator
 from pipeline.llm.exact_codes import unavailable_reason
 from pipeline.llm.model import load_model
 from pipeline.llm.options import LlmOptions
+from pipeline.llm.prompt_sets import load_prompts
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 
 ALPHA = 0.01  # family-wise false-alarm rate of the sampling test (Bonferroni over its cases)

@@ -25,8 +25,8 @@ from pipeline.llm.model import load_model
 from pipeline.llm.options import LlmOptions
 from pipeline.llm.prefix_cache import PrefixCache, cache_nbytes, common_prefix, variant_key
 from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, chat_messages, encode_chat
-from services.grpc_server import ModelWorker
 from services.protos import load
+from services.server.model_worker import ModelWorker
 from tests.conftest import llm_on_loopback
 
 QUESTIONS = ("What is the capital of France?", "And what about Germany?", "Which of the two cities is bigger?")

@@ -16,20 +16,16 @@ import re
 import grpc
 import pytest
 
+from pipeline.asr_stream import normalised_text
 from pipeline.llm.prompts import Exchange
 from services.protos import load, load_common
-from services.redis_store import (
-    EmbeddedRedis,
-    RedisOptions,
-    RedisUnavailableError,
-    SessionStore,
-    TokenEntry,
-    TokenStreamWriter,
-    TurnStore,
-    connect,
-    read_token_stream,
-)
+from services.store.client import RedisOptions, RedisUnavailableError, connect
+from services.store.embedded import EmbeddedRedis
+from services.store.keys import session_key
+from services.store.sessions import SessionStore
+from services.store.turn_log import TokenEntry, TokenStreamWriter, TurnStore, read_token_stream
 from tests.conftest import specvox_up
+from tests.grpc_status import expect_status
 
 gw, gw_grpc = load("gateway")
 llm, llm_grpc = load("llm")
@@ -37,10 +33,6 @@ tts, tts_grpc = load("tts")
 common = load_common()
 DEADLINE_S = 3.0  # the stack's redis.retry_deadline_s: a restart fits in it, a test's outage does not
 STORY = "Tell me a long story about a lighthouse keeper and a storm."
-
-
-def normalise(text: str) -> str:
-    return " ".join("".join(c for c in text.lower() if c.isalnum() or c.isspace()).split())
 
 
 # -- clients alone --------------------------------------------------------------------------
@@ -83,7 +75,7 @@ async def test_what_was_written_survives_a_restart_and_a_client_waits_out_a_shor
         await asyncio.to_thread(valkey.start)
         assert (await outage)["system_prompt"] == "You are terse."
         assert await sessions.history(session) == (Exchange("Hi", "Hello."),)
-        assert 0 < await client.ttl(f"sv:session:{session}") <= 600  # expiry survives too
+        assert 0 < await client.ttl(session_key(session)) <= 600  # expiry survives too
         await TurnStore(client).require(turn, session)
         assert [e.text async for e in read_token_stream(client, turn, timeout_s=1)] == ["Hello."]
     finally:
@@ -161,17 +153,6 @@ async def _ready(gateway, session_id: str) -> list[str]:
     return [e.WhichOneof("event") async for e in gateway.Converse(iter([start, silence]))]
 
 
-async def _expect_unavailable(call) -> str:
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        if hasattr(call, "__aiter__"):
-            async for _ in call:
-                pass
-        else:
-            await call
-    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE, caught.value.details()
-    return caught.value.details()
-
-
 @pytest.mark.e2e
 async def test_a_session_its_history_and_its_token_log_survive_a_restart(stubs, stores, stack_valkey):
     gateway, llm_stub, tts_stub = stubs
@@ -191,7 +172,7 @@ async def test_a_session_its_history_and_its_token_log_survive_a_restart(stubs, 
     assert "".join(await _texts(read_token_stream(sessions.redis, turn, timeout_s=1))) == reply
     # The services' own connections were cut: each reconnects on its next call.
     spoken = await _speech(tts_stub.SpeakTurn(tts.SpeakTurnRequest(session_id=session_id, turn_id=turn)))
-    assert normalise(_cue_text(spoken)) == normalise(reply)
+    assert normalised_text(_cue_text(spoken)) == normalised_text(reply)
     assert await _ready(gateway, session_id) == ["ready"]
     assert (await gateway.CreateSession(gw.CreateSessionRequest())).session_id
 
@@ -206,12 +187,12 @@ async def test_redis_down_past_the_deadline_is_unavailable_then_the_same_service
 
     stack_valkey.stop_server()
     try:
-        details = await _expect_unavailable(gateway.CreateSession(gw.CreateSessionRequest()))
+        details = await expect_status(grpc.StatusCode.UNAVAILABLE, "", gateway.CreateSession(gw.CreateSessionRequest()))
         assert f"redis unreachable at {stack_valkey.display_url} after" in details, details  # its password masked
         assert stack_valkey.password not in details
         for call in (llm_stub.Reply(llm.ReplyRequest(session_id=session_id, turn_id=turn, user_text="Hi!")),
                      tts_stub.SpeakTurn(tts.SpeakTurnRequest(session_id=session_id, turn_id=turn))):
-            assert "redis unreachable" in await _expect_unavailable(call)
+            await expect_status(grpc.StatusCode.UNAVAILABLE, "redis unreachable", call)
     finally:
         await asyncio.to_thread(stack_valkey.start)
 
@@ -244,7 +225,7 @@ async def test_a_restart_in_the_middle_of_a_turn_is_ridden_out_and_the_turn_comp
     assert [s.seq for s in steps] == list(range(len(steps)))
     spoken = await asyncio.wait_for(speech, 120)
     assert spoken[-1].WhichOneof("event") == "times"
-    assert normalise(_cue_text(spoken)) == normalise(reply)  # every phrase once, none lost
+    assert normalised_text(_cue_text(spoken)) == normalised_text(reply)  # every phrase once, none lost
     assert "".join(await _texts(read_token_stream(sessions.redis, turn, timeout_s=1))) == reply
     assert (await sessions.history(session_id))[-1] == Exchange(STORY, reply.strip())
 
@@ -263,8 +244,8 @@ async def test_redis_down_in_the_middle_of_a_turn_fails_it_unavailable_and_the_s
         first = await anext(reply)
         assert not first.end
         stack_valkey.stop_server()
-        assert "redis unreachable" in await _expect_unavailable(reply)
-        assert "redis unreachable" in await _expect_unavailable(speech)
+        await expect_status(grpc.StatusCode.UNAVAILABLE, "redis unreachable", reply)
+        await expect_status(grpc.StatusCode.UNAVAILABLE, "redis unreachable", speech)
     finally:
         await asyncio.to_thread(stack_valkey.start)
 

@@ -19,15 +19,16 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from bench.prompts import load_prompts
 from pipeline.llm.batch import BatchedDecoder
 from pipeline.llm.detokenize import IncrementalDetokenizer
 from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator, RequestDecoder
 from pipeline.llm.exact_codes import unavailable_reason
 from pipeline.llm.model import load_model
 from pipeline.llm.options import LlmOptions, SamplingOptions
+from pipeline.llm.prompt_sets import load_prompts
 from pipeline.llm.prompts import Exchange, Task, chat_messages, encode_chat
 from pipeline.llm.sampling import PositionalRandom, logits_to_probs, position_seed, speculative_verify
+from tests.conftest import with_a_perturbed_draft
 
 PROMPTS = load_prompts()
 TEXTS = (PROMPTS["dialogue"][0], PROMPTS["caption"][0])
@@ -52,13 +53,7 @@ def tiny_int4(tiny_llm_dir) -> Generator:
     """The 16-bit configuration: bfloat16 activations, 4-bit weights, verification row by row;
     with a draft model (the same weights, perturbed) for the `draft` drafter."""
     options = LlmOptions(model=str(tiny_llm_dir), dtype="bfloat16", weights="int4")
-    target = load_model(options)
-    torch.manual_seed(1)
-    draft = load_model(dataclasses.replace(options, weights="dense"))
-    with torch.no_grad():
-        for parameter in draft.model.parameters():
-            parameter.add_(0.005 * torch.randn_like(parameter))
-    return Generator(target, draft, early_exit_layers=2)
+    return with_a_perturbed_draft(options, dataclasses.replace(options, weights="dense"))
 
 
 def encode(generator: Generator, text: str, history: tuple[Exchange, ...] = ()) -> tuple[int, ...]:

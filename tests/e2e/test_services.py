@@ -6,7 +6,6 @@ each server answered with a clear status, after which it serves the next request
 
 from __future__ import annotations
 
-import asyncio
 import wave
 from itertools import pairwise
 from pathlib import Path
@@ -20,15 +19,19 @@ import webvtt
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from pipeline.asr_stream import normalised_text
 from pipeline.audio import float_to_pcm16
 from pipeline.llm.options import LlmOptions
 from pipeline.turn_taking import DEFAULT_BACKCHANNELS, TurnTaking
-from services.cli import kernel_threads_beside_other_stages
+from services.cli.serve import kernel_threads_beside_other_stages
 from services.client import ClientOptions, converse, write_outputs
 from services.protos import load, load_common
-from services.redis_store import SessionStore, TurnStore, connect
 from services.settings import Settings
+from services.store.client import connect
+from services.store.sessions import SessionStore
+from services.store.turn_log import TurnStore
 from tests.conftest import write_wav
+from tests.grpc_status import expect_status, expect_stream_status
 
 gw, gw_grpc = load("gateway")
 asr, asr_grpc = load("asr")
@@ -45,10 +48,6 @@ SERVICE_NAMES = {
 }
 
 pytestmark = pytest.mark.e2e
-
-
-def normalise(text: str) -> str:
-    return " ".join("".join(c for c in text.lower() if c.isalnum() or c.isspace()).split())
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +69,7 @@ async def test_a_spoken_turn_round_trips(stack, speech, tmp_path):
     turns = await converse(stack["gateway"], str(wav), ClientOptions(chunk_ms=100, realtime=True))
     report = write_outputs(turns, str(tmp_path / "out"))
 
-    assert jiwer.wer(normalise(QUESTION), normalise(report["transcript"])) < 0.10, report["transcript"]
+    assert jiwer.wer(normalised_text(QUESTION), normalised_text(report["transcript"])) < 0.10, report["transcript"]
     assert report["reply_text"].strip(), "the avatar said nothing"
     assert report["finish_reason"] in ("eos", "length")
 
@@ -85,17 +84,17 @@ async def test_a_spoken_turn_round_trips(stack, speech, tmp_path):
     starts = [c.start_in_seconds for c in cues]
     assert starts == sorted(starts) and len(set(starts)) == len(starts)
     assert all(c.start_in_seconds < c.end_in_seconds <= audio_s + 0.01 for c in cues)
-    assert normalise(" ".join(c.text for c in cues)) == normalise(report["reply_text"])
+    assert normalised_text(" ".join(c.text for c in cues)) == normalised_text(report["reply_text"])
 
     # The user's words: partials while speaking, committed words never taken back, then the final.
     turn = next(t for t in turns if t.report is report)
     assert turn.partials, "no partial transcripts"
-    committed = [normalise(p.committed_text).split() for p in turn.partials] + [normalise(turn.transcript).split()]
+    committed = [normalised_text(t).split() for t in [*(p.committed_text for p in turn.partials), turn.transcript]]
     assert all(later[: len(earlier)] == earlier for earlier, later in pairwise(committed)), committed
     assert all(0.0 <= p.stability <= 1.0 for p in turn.partials)
     assert report["preemption"] in ("", "kept")
     user_cues = list(webvtt.read(str(tmp_path / "out" / "user_captions.vtt")))
-    assert normalise(" ".join(c.text for c in user_cues)) == normalise(report["transcript"])
+    assert normalised_text(" ".join(c.text for c in user_cues)) == normalised_text(report["transcript"])
     spans = [(c.start_time.in_milliseconds() / 1000, c.end_time.in_milliseconds() / 1000) for c in user_cues]
     assert all(0.0 < start < end <= report["speech_end_s"] + 0.5 for start, end in spans), (spans, report)
 
@@ -145,38 +144,6 @@ async def test_each_service_is_healthy_and_reflects_its_api(channels, service):
     assert SERVICE_NAMES[service] in listed and "grpc.health.v1.Health" in listed
 
 
-async def expect_status(code: grpc.StatusCode, fragment: str, call) -> None:
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        if hasattr(call, "__aiter__"):
-            async for _ in call:
-                pass
-        else:
-            await call
-    assert caught.value.code() == code, caught.value.details()
-    assert fragment.lower() in (caught.value.details() or "").lower(), caught.value.details()
-
-
-async def expect_stream_status(code: grpc.StatusCode, fragment: str, call, messages: list) -> None:
-    """Send the first message, wait for the server's READY (or its error), then the rest.
-
-    The message the server rejects must be the last: a write after the server has ended the call
-    fails in the client's own core, which then reports INTERNAL instead of the server's status."""
-    try:
-        await call.write(messages[0])
-        if len(messages) > 1:
-            await call.read()
-            for message in messages[1:]:
-                await call.write(message)
-        await call.done_writing()
-        while await call.read() is not grpc.aio.EOF:
-            pass
-    except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-        pass  # the status below is what the server said
-    details = await call.details()
-    assert await call.code() == code, details
-    assert fragment.lower() in (details or "").lower(), details
-
-
 def pcm_config(session: str, width: int = 2, encoding=common.AudioFormat.PCM_S16LE, rate: int = 16_000,
                language: str = ""):
     fmt = common.AudioFormat(encoding=encoding, sample_rate_hz=rate, channels=1, sample_width_bytes=width)
@@ -207,7 +174,7 @@ async def test_asr_rejects_bad_input_then_transcribes(channels, session_id, spee
     events = [e async for e in stub.Transcribe(iter([pcm_config(session_id, language="en"), audio]))]
     assert events[0].kind == asr.TranscriptEvent.READY
     finals = [e for e in events if e.kind == asr.TranscriptEvent.FINAL]
-    assert len(finals) == 1 and normalise(finals[0].text) == "good morning to you"
+    assert len(finals) == 1 and normalised_text(finals[0].text) == "good morning to you"
 
 
 async def test_asr_context_prompts_whisper_with_the_expected_phrases(channels, session_id, speech):
@@ -223,7 +190,7 @@ async def test_asr_context_prompts_whisper_with_the_expected_phrases(channels, s
     question = asr.TranscribeRequest(audio=float_to_pcm16(speech("Stop, how many legs does a spider have?")))
     finals = [e.text async for e in stub.Transcribe(iter([pcm_config(session_id), context, question]))
               if e.kind == asr.TranscriptEvent.FINAL]
-    assert "spider" in normalise(" ".join(finals)), finals
+    assert "spider" in normalised_text(" ".join(finals)), finals
 
 
 async def test_llm_rejects_bad_input_then_replies(channels, stack, session_id):

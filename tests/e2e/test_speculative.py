@@ -18,14 +18,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from bench.prompts import load_prompts
 from pipeline.llm.draft_length import DraftCost, DraftGuard, DraftLengthController, MatchAcceptance, VerifyCost
 from pipeline.llm.drafters import Draft, PromptLookupDrafter, SuffixAutomaton, SuffixDrafter
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.model import load_model, new_kv_cache, rollback
 from pipeline.llm.options import LlmOptions, SamplingOptions
+from pipeline.llm.prompt_sets import load_prompts
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 from pipeline.llm.sampling import logits_to_probs, sample, speculative_verify
+from tests.conftest import with_a_perturbed_draft
 
 PROMPTS = load_prompts()
 DEVICE = os.environ.get("SPECVOX_LLM__DEVICE", "cpu")  # bench/gpu_check.sh runs these on cuda
@@ -36,13 +37,7 @@ FALSE_ALARM = 1e-3  # per chi-square test; 13 tests → family-wise false alarm 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_llm_dir):
-    target = load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float64", device=DEVICE))
-    torch.manual_seed(1)
-    draft = load_model(LlmOptions(model=str(tiny_llm_dir), dtype="float64", device=DEVICE))
-    with torch.no_grad():  # same architecture, perturbed weights: a drafter that is often right, not always
-        for p in draft.model.parameters():
-            p.add_(0.005 * torch.randn_like(p))
-    return Generator(target, draft, early_exit_layers=2)
+    return with_a_perturbed_draft(LlmOptions(model=str(tiny_llm_dir), dtype="float64", device=DEVICE))
 
 
 @pytest.fixture(scope="module")

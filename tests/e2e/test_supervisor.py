@@ -24,7 +24,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.protos import load
 from services.server.memory_trace import frames_for
 from services.server.supervisor import SupervisorOptions, describe_exit, parse_workers, restart_delay_s
-from tests.conftest import ROOT, free_port, specvox_up
+from services.stack import free_port
+from tests.conftest import ROOT, specvox_up
 
 tts, tts_grpc = load("tts")
 START_TIMEOUT_S = 180  # a tts process loading its voice on a busy 2-core machine
@@ -259,7 +260,7 @@ def test_sigusr2_writes_a_tracemalloc_snapshot_of_a_traced_service_and_it_keeps_
         assert snapshot.traceback_limit == 6 and snapshot.traces
         # what the service allocated after the start of tracing: its own code among the tracebacks
         files = {frame.filename for trace in snapshot.traces for frame in trace.traceback}
-        assert any(f.endswith("services/stages/tts.py") or f.endswith("services/grpc_server.py") for f in files)
+        assert any(f.endswith("services/stages/tts.py") or "/services/server/" in f for f in files)
         assert serving(address) and process.poll() is None  # a snapshot stops nothing
     finally:
         process.send_signal(signal.SIGTERM)
@@ -272,7 +273,7 @@ def test_a_service_process_takes_its_nice_value_on_every_thread():
     and one started after inherits it; a service with no value keeps 0."""
     script = """
 import os, threading, types
-from services.grpc_server import set_priority
+from services.server.runtime import set_priority
 start = os.getpriority(os.PRIO_PROCESS, 0)
 before = threading.Thread(target=threading.Event().wait, daemon=True)
 before.start()
@@ -291,7 +292,7 @@ print(untouched == start, sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t 
 
 _SIGTERM_INSIDE_THE_STACK_BLOCK = """
 import os, signal
-from services.demo import _terminate_as_interrupt
+from services.stack import _terminate_as_interrupt
 try:
     with _terminate_as_interrupt():
         os.kill(os.getpid(), signal.SIGTERM)
@@ -304,7 +305,7 @@ print("handler restored:", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL)
 
 def test_sigterm_to_a_benchmark_ends_its_stack_block_as_ctrl_c_does():
     """A benchmark or the demo killed by SIGTERM runs the `finally` that stops its `specvox up`
-    (services.demo.specvox_up), instead of dying and leaving the stack running."""
+    (services.stack.running_stack), instead of dying and leaving the stack running."""
     run = subprocess.run([sys.executable, "-c", _SIGTERM_INSIDE_THE_STACK_BLOCK], capture_output=True, text=True,
                          cwd=ROOT, timeout=60)
     assert run.returncode == 0, run.stderr

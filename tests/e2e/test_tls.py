@@ -15,11 +15,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from redis.exceptions import AuthenticationError, ResponseError
 
 from services.channels import open_channel
-from services.redis_store import EmbeddedRedis, RedisOptions, RedisUnavailableError, connect
 from services.server import hooks
 from services.settings import Settings
+from services.store.client import RedisOptions, RedisUnavailableError, connect
+from services.store.embedded import EmbeddedRedis
 from services.tls import TlsOptions, redis_tls_kwargs
 from tests.certs import Authority
+from tests.grpc_status import status_code
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +46,7 @@ async def health_server(settings: Settings, service: str = "llm"):
 
 async def check(address: str, tls: TlsOptions | None = None) -> grpc.StatusCode:
     async with open_channel(address, tls=tls) as channel:
-        try:
-            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-        except grpc.aio.AioRpcError as e:
-            return e.code()
-    return grpc.StatusCode.OK
+        return await status_code(health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5))
 
 
 async def test_server_tls_refuses_plaintext_and_wrong_ca(pki):
@@ -231,7 +229,7 @@ def test_metrics_endpoint_under_mutual_tls_wants_a_client_certificate_of_the_ca(
     import urllib.request
 
     from services.server.metrics import start_endpoint
-    from tests.conftest import free_port
+    from services.stack import free_port
 
     tls = TlsOptions(cert_file=str(pki["server"].cert), key_file=str(pki["server"].key),
                      client_ca_file=str(pki["ca"].ca_file))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.prompts import load_prompts
 from pipeline.llm import engine
 from pipeline.llm.draft_length import BranchWorth, VerifyCost
 from pipeline.llm.engine import GenerationRequest, Generator
@@ -15,6 +14,7 @@ from pipeline.llm.exact_codes import unavailable_reason
 from pipeline.llm.kv_cache import KVCache
 from pipeline.llm.model import load_model, rollback
 from pipeline.llm.options import LlmOptions, SamplingOptions
+from pipeline.llm.prompt_sets import load_prompts
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 from pipeline.llm.token_tree import TokenTree
 

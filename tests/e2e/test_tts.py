@@ -21,13 +21,16 @@ import pytest
 import srt
 import webvtt
 
-from pipeline.asr import AsrOptions, Transcriber, Utterance
-from services.grpc_server import message_options
+from pipeline.asr import Utterance
+from pipeline.asr_stream import normalised_text
+from services.channels import message_size_options
 from services.protos import load
-from services.redis_store import TokenEntry, TokenStreamWriter, now_ms
-from services.runtime import open_redis
 from services.settings import Settings
 from services.stages.tts import AUDIO_CHUNK_S, TtsServicer
+from services.store.client import now_ms
+from services.store.context import open_redis
+from services.store.turn_log import TokenEntry, TokenStreamWriter
+from tests.grpc_status import expect_status
 
 tts, tts_grpc = load("tts")
 RATE = 16_000
@@ -41,7 +44,7 @@ WORD_TOLERANCE_S = 0.150
 async def service(redis_url, synthesizer):
     settings = Settings(redis_url=redis_url, token_timeout_s=5.0)
     redis = await open_redis(settings)
-    server = grpc.aio.server(options=message_options(settings.max_message_bytes))
+    server = grpc.aio.server(options=message_size_options(settings.max_message_bytes))
     servicer = TtsServicer(settings, synthesizer, redis)
     tts_grpc.add_TtsServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -51,15 +54,6 @@ async def service(redis_url, synthesizer):
     await channel.close()
     await server.stop(grace=1)
     await redis.close()
-
-
-@pytest.fixture(scope="module")
-def transcriber():
-    return Transcriber(AsrOptions())
-
-
-def normalise(text: str) -> str:
-    return " ".join("".join(c for c in text.lower() if c.isalnum() or c.isspace()).split())
 
 
 async def collect(call) -> dict:
@@ -106,13 +100,13 @@ async def test_reply_speech_is_heard_back_and_its_word_cues_match_the_asr_word_t
     result = await collect(stub.Synthesize(tts.SynthesizeRequest(text=REPLY, sample_rate_hz=RATE)))
     audio_s = check_timeline(result)
     heard = transcriber.transcribe(Utterance(0, 0.0, audio_s, samples(result)))
-    assert jiwer.wer(normalise(REPLY), normalise(heard.text)) <= WER_BOUND, heard.text
+    assert jiwer.wer(normalised_text(REPLY), normalised_text(heard.text)) <= WER_BOUND, heard.text
 
     docs = result["captions"]
     vtt_words = webvtt.from_string(docs.words_webvtt)
     assert [c.text for c in vtt_words] == REPLY.split()
     vtt_phrases = webvtt.from_string(docs.phrases_webvtt)
-    assert normalise(" ".join(c.text for c in vtt_phrases)) == normalise(REPLY)
+    assert normalised_text(" ".join(c.text for c in vtt_phrases)) == normalised_text(REPLY)
     assert seconds(vtt_phrases[-1].end_time) == pytest.approx(audio_s, abs=2e-3)
     srt_words = list(srt.parse(docs.words_srt))
     assert [c.content for c in srt_words] == REPLY.split()
@@ -121,8 +115,8 @@ async def test_reply_speech_is_heard_back_and_its_word_cues_match_the_asr_word_t
     assert len(list(srt.parse(docs.phrases_srt))) == len(result["cues"]) >= 3
 
     # Each word cue's middle lies within 150 ms of the span whisper gives that word.
-    cue_words = [normalise(w.text) for w in result["words"]]
-    asr_words = [normalise(w.text) for w in heard.words]
+    cue_words = [normalised_text(w.text) for w in result["words"]]
+    asr_words = [normalised_text(w.text) for w in heard.words]
     matcher = difflib.SequenceMatcher(a=cue_words, b=asr_words, autojunk=False)
     pairs = [(result["words"][i + k], heard.words[j + k])
              for i, j, n in matcher.get_matching_blocks() for k in range(n)]
@@ -140,7 +134,7 @@ async def test_numbers_are_spoken_in_words_and_captioned_as_written(service, tra
     result = await collect(stub.Synthesize(tts.SynthesizeRequest(text=text, sample_rate_hz=RATE)))
     audio_s = check_timeline(result)
     assert [w.text for w in result["words"]] == text.split()
-    heard = normalise(transcriber.transcribe(Utterance(0, 0.0, audio_s, samples(result))).text)
+    heard = normalised_text(transcriber.transcribe(Utterance(0, 0.0, audio_s, samples(result))).text)
     assert ("1200" in heard or "thousand two hundred" in heard) and ("15" in heard or "fifteen" in heard), heard
     amount = next(w for w in result["words"] if w.text == "$1,200")
     assert amount.end_s - amount.start_s > 1.0  # "one thousand two hundred dollars"
@@ -153,12 +147,9 @@ async def test_bad_input_gets_a_clear_status_and_punctuation_only_says_nothing(s
         (tts.SynthesizeRequest(text="Hi.", sample_rate_hz=96_000), grpc.StatusCode.INVALID_ARGUMENT, "sample_rate_hz"),
         (tts.SynthesizeRequest(text="x" * 100_001), grpc.StatusCode.INVALID_ARGUMENT, "exceeds"),
     ]:
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            await collect(stub.Synthesize(request))
-        assert error.value.code() == code and words in error.value.details()
-    with pytest.raises(grpc.aio.AioRpcError) as error:
-        await collect(stub.SynthesizeStream(aiter_of([tts.TextPiece(text=""), tts.TextPiece(text=" ")])))
-    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        await expect_status(code, words, collect(stub.Synthesize(request)))
+    await expect_status(grpc.StatusCode.INVALID_ARGUMENT, "",
+                        collect(stub.SynthesizeStream(aiter_of([tts.TextPiece(text=""), tts.TextPiece(text=" ")]))))
 
     for call in (stub.Synthesize(tts.SynthesizeRequest(text="... !!! — ?")),
                  stub.SynthesizeStream(aiter_of([tts.TextPiece(text="..."), tts.TextPiece(text=" !")]))):
@@ -242,11 +233,13 @@ async def test_a_token_stream_without_its_end_marker_times_out_after_speaking_wh
     session_id, turn_id = await new_turn(redis)
     await write_tokens(redis, turn_id, ["Well, I think ", "so, and this ", "reply never ends"], gap_s=0, end=False)
     audio = []
-    with pytest.raises(grpc.aio.AioRpcError) as error:
+
+    async def speak() -> None:
         async for event in stub.SpeakTurn(tts.SpeakTurnRequest(session_id=session_id, turn_id=turn_id,
                                                                token_timeout_s=0.5)):
-            audio += [event.audio] if event.WhichOneof("event") == "audio" else []
-    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "no token entry" in error.value.details()
+            audio.extend([event.audio] if event.WhichOneof("event") == "audio" else [])
+
+    await expect_status(grpc.StatusCode.DEADLINE_EXCEEDED, "no token entry", speak())
     assert audio, "the complete first phrase was spoken before the stream stalled"
 
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from bench.prompts import load_prompts
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.model import load_model, rollback
 from pipeline.llm.options import LlmOptions
+from pipeline.llm.prompt_sets import load_prompts
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 from pipeline.llm.weight_kernels import INT4_GROUP, Int4Linear, pack_int4, quantize_int4, row_invariant_linear
 

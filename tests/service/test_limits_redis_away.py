@@ -11,7 +11,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from services.server.limits import LimitOptions, LimitsInterceptor
-from tests.conftest import free_port
+from services.stack import free_port
+from tests.grpc_status import expect_status
 
 ECHO = "/specvox.test.Echo/"
 
@@ -34,7 +35,7 @@ ECHO_HANDLERS = grpc.method_handlers_generic_handler("specvox.test.Echo", {
 @pytest.fixture
 async def limited_server():
     nothing_there = free_port()
-    # no retries: the service's own client retries with backoff first (services/redis_store.py), which
+    # no retries: the service's own client retries with backoff first (services/store/client.py), which
     # only delays the same refusal
     redis = aioredis.Redis(host="127.0.0.1", port=nothing_there, socket_connect_timeout=1.0,
                            retry=Retry(NoBackoff(), 0))
@@ -55,14 +56,7 @@ async def test_calls_are_refused_unavailable_while_the_limits_cannot_be_checked(
         once = channel.unary_unary(ECHO + "Once")
         chat = channel.stream_stream(ECHO + "Chat")
         for _ in range(3):  # again and again: the server stays up and answers each the same way
-            with pytest.raises(grpc.aio.AioRpcError) as unary:
-                await once(b"hello", timeout=10)
-            assert unary.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "per-key limits cannot be checked" in unary.value.details()
-
-            call = chat(iter([b"one", b"two"]), timeout=10)
-            with pytest.raises(grpc.aio.AioRpcError) as streaming:
-                async for _ in call:
-                    pass
-            assert streaming.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "per-key limits cannot be checked" in streaming.value.details()
+            await expect_status(grpc.StatusCode.UNAVAILABLE, "per-key limits cannot be checked",
+                                once(b"hello", timeout=10))
+            await expect_status(grpc.StatusCode.UNAVAILABLE, "per-key limits cannot be checked",
+                                chat(iter([b"one", b"two"]), timeout=10))

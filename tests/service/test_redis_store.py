@@ -7,23 +7,19 @@ import asyncio
 import pytest
 
 from pipeline.llm.prompts import Exchange
-from services.redis_store import (
-    SessionStore,
+from services.store.client import connect
+from services.store.keys import cancel_key, speech_stream_key, token_stream_key, turn_key
+from services.store.sessions import SessionStore, UnknownSessionError
+from services.store.turn_log import (
     TokenEntry,
     TokenStreamTimeout,
     TokenStreamWriter,
     TurnLogWriter,
     TurnStore,
-    UnknownSessionError,
     UnknownTurnError,
-    cancel_key,
-    connect,
     finish_turn,
     read_speech_log,
     read_token_stream,
-    speech_stream_key,
-    token_stream_key,
-    turn_key,
 )
 
 
@@ -109,7 +105,7 @@ async def test_a_session_in_use_does_not_expire_and_keeps_what_was_heard(client)
 
 async def test_a_finished_turn_expires_soon_and_late_appends_do_not_keep_it_an_hour(client):
     """What a stack keeps in Redis is bounded by its recent turns: once the speech stream ends
-    (`finish_turn`, work.done_ttl_s) every key of the turn expires soon, and a cancelled reply's
+    (`finish_turn`, finished_turn_ttl_s) every key of the turn expires soon, and a cancelled reply's
     last steps, written after that, do not push its token log back to token_stream_ttl_s."""
     turn = await TurnStore(client, ttl_s=3600).create("s1")
     tokens = TurnLogWriter(client, turn, "llm", token_stream_key(turn), ttl_s=3600)
@@ -134,7 +130,7 @@ async def test_a_finished_turn_expires_soon_and_late_appends_do_not_keep_it_an_h
 
 async def test_a_turn_whose_speech_ends_in_an_error_expires_as_a_finished_one(client):
     """A SpeakTurn the tts refuses or gives up on ends the turn's speech stream with the error,
-    and the turn's keys then expire as any finished turn's (work.done_ttl_s), not in an hour."""
+    and the turn's keys then expire as any finished turn's (finished_turn_ttl_s), not in an hour."""
     from services.stages.tts import _end_speech
 
     turn = await TurnStore(client, ttl_s=3600).create("s1")

@@ -11,17 +11,9 @@ import time
 
 import pytest
 
-from services.redis_store import connect
-from services.store.work_queue import (
-    HandBack,
-    WorkOptions,
-    WorkQueue,
-    attempts_key,
-    dead_key,
-    heartbeat_key,
-    run_worker,
-    work_key,
-)
+from services.store.client import connect
+from services.store.keys import attempts_key, dead_key, heartbeat_key, work_key
+from services.store.work_queue import HandBack, WorkOptions, WorkQueue, run_worker
 
 FAST = WorkOptions(claim_idle_ms=200, refresh_ms=40, poll_ms=20, heartbeat_ttl_ms=400, max_deliveries=3,
                    drain_grace_s=0.5)
@@ -242,7 +234,8 @@ async def test_gone_consumers_are_removed_from_the_group(redis, stage):
 
 
 async def test_a_turn_log_has_one_writer_at_a_time_and_takes_each_entry_once(redis):
-    from services.redis_store import LogGap, LogMoved, TurnLogWriter, TurnStore, read_token_log, token_stream_key
+    from services.store.keys import token_stream_key, turn_key
+    from services.store.turn_log import LogGap, LogMoved, TurnLogWriter, TurnStore, read_token_log
 
     turns = TurnStore(redis)
     turn = await turns.create("session")
@@ -260,7 +253,7 @@ async def test_a_turn_log_has_one_writer_at_a_time_and_takes_each_entry_once(red
     await turns.cancel(turn)
     assert await second.append({"seq": 3, "text": " friend", "end": 1, "finish_reason": "eos"})  # cancelled
     assert [e.text for e in await read_token_log(redis, turn)] == ["Hello", " there", ",", " friend"]
-    await redis.hset(f"sv:turn:{turn}", "llm_seq", 1)  # Redis came back from an AOF a second behind
+    await redis.hset(turn_key(turn), "llm_seq", 1)  # Redis came back from an AOF a second behind
     with pytest.raises(LogGap):
         await second.append({"seq": 4, "text": "!"})
     assert 0 < await redis.ttl(token_stream_key(turn)) <= 60

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from services.grpc_server import ModelWorker
+from services.server.model_worker import ModelWorker
 
 
 async def _held(worker: ModelWorker) -> tuple[threading.Event, asyncio.Task]:

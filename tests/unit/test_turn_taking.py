@@ -10,6 +10,7 @@ from pipeline.turn_taking import (
     AnnounceFinal,
     AudioSent,
     CancelTurn,
+    CaptionDone,
     ClientDone,
     ConfirmTurn,
     EndOfTurnScored,
@@ -373,3 +374,16 @@ def test_caption_mode_captions_each_final_and_never_pauses():
         StartCaption("c0", 0, "um so the meeting is at ten")]
     assert machine.handle(SpeechStarted(1), 0.5) == [] and machine.handle(VoiceStarted(), 0.5) == []
     assert machine.handle(Final(1, ""), 1.0) == []
+
+
+def test_a_caption_turn_ends_through_the_machine_once():
+    ids = iter(["c0", "c1"])
+    machine = TurnTaking(caption_mode=True, new_turn_id=lambda: next(ids))
+    machine.handle(Final(0, "the meeting is at ten"), 0.0)
+    machine.handle(Final(1, "bring the slides"), 0.5)
+    [over] = machine.handle(CaptionDone("c1", "error"), 1.0)
+    assert (over.turn_id, over.finish_reason, over.heard_text, over.end_of_turn_probability) == (
+        "c1", "error", "", -1.0)
+    assert [a.finish_reason for a in machine.handle(CaptionDone("c0", ""), 1.1)] == ["eos"]  # no reason: eos
+    assert machine.handle(CaptionDone("c0", "eos"), 1.2) == []  # over already
+    assert machine.handle(CaptionDone("never-started", "eos"), 1.3) == []

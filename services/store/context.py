@@ -1,27 +1,30 @@
-"""Process-level wiring shared by the services: settings, logging and the Redis connection."""
+"""A service's Redis, opened once at its start: the client, the session and turn stores on it, and
+the private embedded Valkey started when no Redis URL is configured (stopped with it)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 
-from services.redis_store import EmbeddedRedis, SessionStore, TurnStore, connect, default_data_dir, wait_for_redis
-from services.settings import Settings
+from services.store.client import connect, wait_for_redis
+from services.store.embedded import EmbeddedRedis
+from services.store.sessions import SessionStore
+from services.store.turn_log import TurnStore
+
+if TYPE_CHECKING:
+    from services.settings import Settings
 
 log = logging.getLogger(__name__)
 
 
-def configure_logging(level: str = "INFO", fmt: str = "text", service: str = "") -> None:
-    """Text, or JSON lines with the session and turn ids (`log_format`, services/server/logs.py)."""
-    from services.server import logs
-
-    logs.configure(level, fmt, service)
-
-
 @dataclass
 class RedisContext:
+    """A service's Redis: its client, the session and turn stores on it, and the embedded Valkey
+    it started (stopped with it)."""
+
     client: aioredis.Redis
     sessions: SessionStore
     turns: TurnStore
@@ -31,11 +34,6 @@ class RedisContext:
         await self.client.aclose()
         if self.embedded:
             self.embedded.stop()
-
-
-def start_embedded_redis(settings: Settings) -> EmbeddedRedis:
-    """`specvox up`'s Valkey: its AOF in `redis.data_dir`, so sessions and token logs outlive it."""
-    return EmbeddedRedis(data_dir=settings.redis.data_dir or default_data_dir()).start()
 
 
 async def open_redis(settings: Settings) -> RedisContext:

@@ -1,4 +1,5 @@
-"""The project's prompt sets (shared/data/prompts.json beside the checkout), for benchmarks and tests.
+"""The project's prompt sets (shared/data/prompts.json beside the checkout): what the benchmarks and
+tests decode, and what `specvox train-draft` evaluates a head on and never trains on.
 
 A lone clone without shared/ beside it gets a small fallback set of the same shape.
 """
@@ -9,7 +10,7 @@ import json
 from functools import cache
 from pathlib import Path
 
-PROMPTS_FILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "prompts.json"
+PROMPTS_FILE = Path(__file__).resolve().parents[3] / "shared" / "data" / "prompts.json"
 CAPTION = "Rewrite this transcript as a clean caption, keeping the speaker's words: "
 FALLBACK = {
     "dialogue": ["Hello there! How is your day going so far?", "Why do cats purr?", "How do bees make honey?"],

@@ -1,0 +1,537 @@
+"""One live conversation: turn-taking carried out through narrow ports.
+
+What the ASR hears, the client's playback reports and time passing go into the conversation's
+turn-taking state machine (pipeline/turn_taking.py), which decides when a turn starts, is
+confirmed, paused, resumed, interrupted or over. This class only carries those decisions out:
+it hands each turn to the turn runner (llm and tts work, wherever it runs), reads the reply's
+text and speech back, paces the audio ahead of playback, and records what the user heard. It
+knows no transport and no store (services/gateway/ports.py); the gRPC `Converse` in
+service.py is one adapter onto it. docs/architecture.md, "A live session", gives the order of
+events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.llm.prompts import Exchange
+from pipeline.tts.phrases import PhraseCutter
+from pipeline.turn_taking import (
+    Action,
+    AnnounceFinal,
+    AudioSent,
+    CancelTurn,
+    CaptionDone,
+    ClientDone,
+    ConfirmTurn,
+    EndOfTurnScored,
+    Event,
+    Final,
+    InterruptPlayback,
+    Partial,
+    PausePlayback,
+    PlaybackReported,
+    RecordExchange,
+    ReplyDone,
+    ResumePlayback,
+    ScoreEndOfTurn,
+    SpeechStarted,
+    StartCaption,
+    StartTurn,
+    Tick,
+    TurnOver,
+    TurnTaking,
+    VoiceEnded,
+    VoiceStarted,
+    WordTimed,
+)
+from services import session_config
+from services.gateway import convert
+from services.gateway.arrivals import AudioArrivalClock
+from services.gateway.convert import Config, asr_pb, pb
+from services.gateway.ports import (
+    AsrStream,
+    AsrStreamClosed,
+    ClientAudio,
+    ClientInput,
+    ClientPlayback,
+    Clock,
+    EventSink,
+    ReplyPiece,
+    SpeechEnd,
+    TurnFailed,
+    TurnRunner,
+)
+from services.server import limits, metrics, tracing
+from services.server.stage_clock import StageClock
+from services.settings import Settings
+
+log = logging.getLogger(__name__)
+END = object()  # the sink's last item: the conversation is over
+TICK_S = 0.02  # timers of the turn-taking machine (held turns, playout, pauses) are this fine
+# A stream's records are kept for its latest stretch only, so an hour-long stream holds no more than a
+# short one: transcripts of its latest utterances (a turn reads its own at start and final), and the ids
+# of its latest interrupted turns (whose queued speech, a few events behind, is dropped).
+KEPT_UTTERANCES = 8
+KEPT_UNHEARD_TURNS = 16
+KIND = asr_pb.TranscriptEvent
+SPOKEN = frozenset({"reply_text", "audio", "cue", "word"})  # what of an interrupted turn is dropped
+
+
+@dataclass
+class TurnWork:
+    """One reply being written and spoken (or one caption): its tasks, its held-back output, its times."""
+
+    turn_id: str
+    user_text: str
+    transcript: Any  # the utterance's asr TranscriptEvent: its final (or the partial it started from)
+    speech_end_unix_ms: int
+    clock: StageClock = field(default_factory=lambda: StageClock("gateway"))
+    reply_text: str = ""
+    finish_reason: str = ""
+    error: str = ""
+    first_audio_sent_unix_ms: int = 0
+    budget_missed: bool = False
+    stage_times: list = field(default_factory=list)
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # ServerEvents waiting to go out
+    confirmed: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: list[asyncio.Task] = field(default_factory=list)
+    prefix_cached_tokens: int = 0
+    mode: str = "dialogue"
+    end_of_turn_ms: int = 0
+    span: tracing.TurnSpan | None = None  # the turn's trace span; its context carries the ids logged
+    first_phrase_unix_ms: int = 0  # when the reply text held a first phrase, as tts cuts it (metrics)
+    phrases: PhraseCutter | None = None
+    llm_done: bool = False  # the token log ended
+    speech_done: bool = False  # the speech stream ended (or the turn has none: caption mode)
+    llm_queued: bool = False  # the llm work is on its queue (else nothing will end the token log)
+    stop_workers: Callable[[], None] | None = None  # tells the turn's workers, wherever they run
+
+    def cancel(self) -> None:
+        """Stop the turn here, and its llm and tts work wherever it runs (within a step or a piece)."""
+        for task in self.tasks:
+            task.cancel()
+        # Dropped whether called or not: it closes over the turn (and the conversation), a cycle that
+        # would wait for the cyclic collector instead of freeing the turn as soon as it is over.
+        stop_workers, self.stop_workers = self.stop_workers, None
+        if stop_workers is not None and not (self.llm_done and self.speech_done):
+            stop_workers()
+
+
+@dataclass
+class Ports:
+    asr: AsrStream
+    turns: TurnRunner
+    sink: EventSink
+    clock: Clock
+
+
+class Conversation:
+    """The state of one conversation. Drive it with `run(inputs)`; read what the client gets from `events()`."""
+
+    def __init__(self, session_id: str, config: Any, audio_format: Any, settings: Settings, ports: Ports) -> None:
+        self.session_id = session_id
+        self.config = config
+        self.settings = settings
+        self.asr, self.turns, self.sink, self.clock = ports.asr, ports.turns, ports.sink, ports.clock
+        self.arrivals = AudioArrivalClock(audio_format, self.clock)
+        options = settings.turn_taking
+        self.machine = TurnTaking(dataclasses.replace(
+            options, backchannels=session_config.backchannels(config, options.backchannels),
+            backchannel_max_words=config.backchannel_max_words or options.backchannel_max_words,
+        ), caption_mode=config.mode == Config.CAPTION)
+        self.work: dict[str, TurnWork] = {}
+        self.finals: dict[int, Any] = {}  # the latest transcript of each recent utterance
+        self.budget_misses = 0
+        # turns interrupted or cancelled: their queued speech is dropped
+        self.unheard: collections.deque[str] = collections.deque(maxlen=KEPT_UNHEARD_TURNS)
+        self.degradations = 0
+        self._lock = asyncio.Lock()  # one event through the machine at a time, its actions in order
+        self._input_error: Exception | None = None
+        # Tasks nothing else holds: cancels being told, prepares, a finished turn's tasks winding down.
+        self._background: set[asyncio.Task] = set()
+        self._expecting_backchannels = False
+        self._words_to_prepare: str | None = None  # the newest partial's words, for the llm to prefill
+        self._preparing_words = False
+        metrics.track_conversation(self)
+
+    def now_s(self) -> float:
+        return self.clock.now_s()
+
+    # -- the conversation's life -----------------------------------------------------------
+
+    async def run(self, inputs: AsyncIterator[ClientInput]) -> None:
+        """Until the client's input and the ASR stream end and the last turns play out; its end (or
+        the error that ended it) goes to the sink."""
+        ticker = asyncio.create_task(self._tick())
+        if self.config.mode != Config.CAPTION:
+            self._in_background(self._prepare())
+        try:
+            forward = asyncio.create_task(self._forward(inputs))
+            try:
+                async for event in self.asr:
+                    await self._on_transcript(event)
+            except (Exception, asyncio.CancelledError):
+                if self._input_error:  # bad client input ended the asr stream: say so, not "cancelled"
+                    raise self._input_error from None
+                raise
+            finally:
+                forward.cancel()
+            await self.handle(ClientDone())
+            while self.work:  # the last turns play out (the client has what it needs to play them)
+                await self.clock.sleep(TICK_S)
+            await self.sink.put(END)
+        except BaseException as e:  # delivered to the client by events()
+            await self.sink.put(e)
+        finally:
+            ticker.cancel()
+
+    async def events(self) -> AsyncIterator[Any]:
+        """The client's events (gateway ServerEvents) in order until the end; raises what ended the
+        conversation, or the sink's own failure (a client too slow to read)."""
+        while (event := await self.sink.get()) is not END:
+            if (failure := self.sink.failure()) is not None:
+                raise failure
+            if isinstance(event, BaseException):
+                raise event
+            if event.turn_id in self.unheard and event.WhichOneof("event") in SPOKEN:
+                continue  # a barge-in: no audio of the old turn after its interrupt
+            yield event
+
+    async def close(self) -> None:
+        """The stream is over (or the client went away): nothing of it keeps running."""
+        for work in list(self.work.values()):
+            work.cancel()
+            await asyncio.gather(*work.tasks, return_exceptions=True)
+            work.span.end(finish_reason="closed")
+        self.work.clear()
+        await asyncio.gather(*self._background, return_exceptions=True)  # the workers are told before we go
+
+    async def _tick(self) -> None:
+        while True:
+            await self.clock.sleep(TICK_S)
+            await self.handle(Tick())
+
+    async def _forward(self, inputs: AsyncIterator[ClientInput]) -> None:
+        """Client audio → asr, checked here so bad input fails the conversation with its own message;
+        playback reports → the machine."""
+        try:
+            async for item in inputs:
+                match item:
+                    case ClientPlayback(turn_id=turn_id, played_until_s=played_until_s):
+                        await self.handle(PlaybackReported(turn_id, played_until_s))
+                    case ClientAudio(data=data):
+                        self.arrivals.received(data)
+                        await self.asr.send_audio(data)
+            await self.asr.finish()
+        except ValueError as e:
+            self._input_error = e
+            self.asr.cancel()
+        except AsrStreamClosed:
+            self.asr.cancel()  # asr ended the stream; its status reaches run()
+
+    async def _on_transcript(self, event: Any) -> None:
+        kind = event.kind
+        if kind in (KIND.PARTIAL, KIND.FINAL) and event.speech_end_s:
+            limits.check_utterance(self.settings.limits, event.speech_start_s, event.speech_end_s)
+        if kind == KIND.VOICE_STARTED:
+            await self.handle(VoiceStarted())
+        elif kind == KIND.VOICE_ENDED:
+            await self.handle(VoiceEnded())
+        elif kind == KIND.SPEECH_STARTED:
+            await self.handle(SpeechStarted(event.utterance_index))
+        elif kind == KIND.PARTIAL:
+            await self.sink.put(pb.ServerEvent(transcript=convert.transcript(event, final=False)))
+            self._keep_transcript(event)
+            if self.config.mode != Config.CAPTION and not event.speech_ending and event.text.strip():
+                self._prepare_words(event.text)
+            # The pass at the first silence is the one the final reuses (asr_stream), so its words,
+            # committed or not, are the final's if the silence lasts: the reply may start from them.
+            stable = self.settings.preemptive_generation and event.speech_ending and bool(event.text.strip())
+            await self.handle(Partial(event.utterance_index, event.text, stable))
+        elif kind == KIND.FINAL:
+            self._keep_transcript(event)
+            words = tuple((w.text, w.probability) for w in event.words)
+            await self.handle(Final(event.utterance_index, event.text, words))
+
+    def _keep_transcript(self, event: Any) -> None:
+        self.finals[event.utterance_index] = event
+        for old in [u for u in self.finals if u <= event.utterance_index - KEPT_UTTERANCES]:
+            del self.finals[old]
+
+    # -- the machine's decisions -----------------------------------------------------------
+
+    async def handle(self, event: Event) -> None:
+        async with self._lock:
+            for action in self.machine.handle(event, self.now_s()):
+                await self._act(action)
+
+    async def _act(self, action: Action) -> None:
+        match action:
+            case StartTurn():
+                await self._start_turn(action)
+            case StartCaption():
+                await self._start_caption(action)
+            case ScoreEndOfTurn():
+                self._score_end_of_turn(action)
+            case AnnounceFinal():
+                self._announce_final(action)
+            case ConfirmTurn(turn_id=turn_id):
+                if work := self.work.get(turn_id):
+                    work.confirmed.set()
+            case CancelTurn(turn_id=turn_id):
+                if work := self.work.get(turn_id):
+                    work.cancel()
+            case PausePlayback():
+                self._control(action.turn_id, pause=pb.Pause(at_s=action.at_s))
+                self._expect_backchannels(True)
+            case ResumePlayback():
+                self._control(action.turn_id, resume=pb.Resume(from_s=action.from_s, reason=action.reason))
+                self._expect_backchannels(False)
+            case InterruptPlayback():
+                self._control(action.turn_id, interrupt=pb.Interrupt(heard_until_s=action.heard_until_s,
+                                                                     heard_text=action.heard_text))
+                self._expect_backchannels(False)
+            case RecordExchange():
+                if action.heard_text.strip():
+                    await self.turns.record(Exchange(action.user_text, action.heard_text.strip(), action.cut_off))
+            case TurnOver():
+                self._turn_over(action)
+
+    def _expect_backchannels(self, expect: bool) -> None:
+        """While the user speaks over the avatar, asr's whisper is prompted with the session's
+        backchannels: it then writes a murmured "Mm-hmm." as such, not as "In a moment." (whisper
+        tiny on the Piper voice), and the machine can tell it from an interruption."""
+        if expect == self._expecting_backchannels:
+            return
+        self._expecting_backchannels = expect
+        self._in_background(self.asr.expect_phrases(self.machine.options.backchannels if expect else ()))
+
+    def _control(self, turn_id: str, **event: Any) -> None:
+        """Playback control goes out at once, ahead of anything the turn has queued."""
+        self.sink.put_nowait(pb.ServerEvent(turn_id=turn_id, **event))
+
+    def _in_background(self, awaitable: Any) -> None:
+        self._hold(asyncio.create_task(awaitable))
+
+    def _hold(self, task: asyncio.Task) -> None:
+        """Keep a task referenced until it is done: the event loop holds tasks only weakly, and a
+        pending one collected with what it waits on never runs its `finally` (asyncio then logs
+        "Task was destroyed but it is pending!"); `close` waits for them."""
+        if not task.done():
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    # -- a turn's work ---------------------------------------------------------------------
+
+    async def _open_work(self, turn_id: str, user_text: str, utterance: int, mode: str) -> TurnWork | None:
+        """The turn's record (past the session's turn limit the conversation ends instead), its work."""
+        transcript = self.finals[utterance]
+        try:
+            await self.turns.open(turn_id)
+        except limits.LimitExceededError as e:  # the conversation's length: past it the stream ends
+            self.sink.put_nowait(e)
+            return None
+        work = TurnWork(turn_id, user_text, transcript, self.arrivals.arrival_ms(transcript.speech_end_s), mode=mode,
+                        span=tracing.TurnSpan(self.session_id, turn_id, mode),
+                        phrases=PhraseCutter(self.settings.phrases))
+        work.clock.received()
+        work.speech_done = mode == "caption"
+        work.stop_workers = lambda: self._in_background(self.turns.cancel(work.turn_id, work.llm_queued))
+        self.work[turn_id] = work
+        return work
+
+    async def _start_turn(self, action: StartTurn) -> None:
+        work = await self._open_work(action.turn_id, action.user_text, action.utterance, "dialogue")
+        if work is not None:
+            work.tasks.append(asyncio.create_task(self._run_turn(work), context=work.span.context()))
+
+    async def _run_turn(self, work: TurnWork) -> None:
+        """The turn's llm and tts work is started (wherever it runs); the reply's text and speech come
+        back each item once, and go out paced once the turn is confirmed."""
+        await self.turns.start_speech(work.turn_id, convert.speak_request(
+            self.config, self.session_id, work.turn_id, work.speech_end_unix_ms))
+        sender = asyncio.create_task(self._send_paced(work))
+        self._hold(sender)
+        try:
+            await asyncio.gather(self._pump_reply(work), self._pump_speech(work))
+            await work.outbox.put(END)
+            await sender
+            await self.handle(ReplyDone(work.turn_id, work.finish_reason))
+        except asyncio.CancelledError:
+            work.finish_reason = work.finish_reason or "cancelled"
+            raise
+        except TurnFailed as e:  # the turn fails, the conversation goes on
+            log.warning("turn %s failed: %s", work.turn_id, e)
+            work.finish_reason, work.error = "error", str(e)
+            await self.handle(ReplyDone(work.turn_id, "error"))
+        finally:
+            sender.cancel()
+
+    async def _reply_pieces(self, work: TurnWork, what: str) -> AsyncIterator[ReplyPiece]:
+        """The one reader of a turn's token log, for replies and captions: the text gathered, the
+        end's finish reason and llm times kept; an end with an error fails the turn."""
+        async for piece in self.turns.reply(work.turn_id):
+            work.reply_text += piece.text
+            if piece.first:
+                work.prefix_cached_tokens = piece.cached_tokens
+            if piece.end:
+                work.llm_done = True
+                work.finish_reason = piece.finish_reason
+                if piece.times is not None:
+                    work.stage_times.append(piece.times)
+                if piece.finish_reason == "error":
+                    raise TurnFailed(piece.error or f"llm: the {what} failed")
+            yield piece
+
+    async def _pump_reply(self, work: TurnWork) -> None:
+        """The reply is queued at once, beside its end-of-turn score (asked first: the llm runs the
+        score before the reply's prefill, which then reuses what the score prefilled)."""
+        work.llm_queued = True
+        await self.turns.start_reply(work.turn_id, convert.reply_request(
+            self.config, self.session_id, work.turn_id, work.user_text, work.speech_end_unix_ms, "dialogue"))
+        async for piece in self._reply_pieces(work, "reply"):
+            if not work.first_phrase_unix_ms and (work.phrases.feed(piece.text) or piece.end):
+                work.first_phrase_unix_ms = self.clock.unix_ms()
+            if piece.text:
+                await work.outbox.put(pb.ServerEvent(turn_id=work.turn_id, reply_text=pb.ReplyText(
+                    text_delta=piece.text, accepted_tokens=piece.accepted)))
+
+    async def _pump_speech(self, work: TurnWork) -> None:
+        """The reply's speech: each chunk, word and cue once, however many tts workers had a hand in it."""
+        async for item in self.turns.speech(work.turn_id):
+            if isinstance(item, SpeechEnd):
+                work.speech_done = True
+                if item.finish_reason == "error":
+                    raise TurnFailed(item.error or "tts: the speech failed")
+                continue
+            kind = item.WhichOneof("event")
+            if kind == "audio":
+                await work.outbox.put(pb.ServerEvent(turn_id=work.turn_id, audio=item.audio))
+            elif kind in ("cue", "word"):
+                cue = convert.speech_cue(getattr(item, kind))
+                if kind == "word":
+                    await self.handle(WordTimed(work.turn_id, cue.text, cue.start_s, cue.end_s))
+                await work.outbox.put(pb.ServerEvent(turn_id=work.turn_id, **{kind: cue}))
+            elif kind == "times":
+                work.stage_times.append(item.times)
+
+    async def _send_paced(self, work: TurnWork) -> None:
+        """The turn's output, once it is confirmed; audio at most `audio_lead_s` ahead of playback."""
+        await work.confirmed.wait()
+        while (event := await work.outbox.get()) is not END:
+            if event.WhichOneof("event") == "audio":
+                while self.machine.may_send_until_s(work.turn_id, self.now_s()) <= event.audio.start_s:
+                    await self.clock.sleep(TICK_S)
+                if not work.first_audio_sent_unix_ms:
+                    work.first_audio_sent_unix_ms = self.clock.unix_ms()
+                work.clock.emitted()
+                await self.sink.put(event)
+                end_s = event.audio.start_s + len(event.audio.pcm_s16le) / 2 / event.audio.sample_rate_hz
+                await self.handle(AudioSent(work.turn_id, end_s))
+            else:
+                work.clock.emitted()
+                await self.sink.put(event)
+
+    def _score_end_of_turn(self, action: ScoreEndOfTurn) -> None:
+        work = self.work.get(action.turn_id)
+        if work is None:
+            return
+        if self.settings.turn_taking.end_of_turn_threshold <= 0:
+            return  # silence alone decides: the machine confirms without a score
+        work.tasks.append(asyncio.create_task(self._end_of_turn(work, action), context=work.span.context()))
+
+    async def _end_of_turn(self, work: TurnWork, action: ScoreEndOfTurn) -> None:
+        asked_ms = self.clock.unix_ms()
+        try:
+            probability = await self.turns.end_of_turn(action.user_text)
+        finally:
+            work.end_of_turn_ms = self.clock.unix_ms() - asked_ms
+        await self.handle(EndOfTurnScored(action.turn_id, probability))
+
+    async def _prepare(self, user_text: str = "") -> None:
+        """llm prefills the session's conversation while the user starts to speak (the first turn's
+        score would otherwise prefill the persona), and the words heard so far while they speak (the
+        turn's score and reply then prefill only the words said since); a failure costs only that time."""
+        await self.turns.prepare(user_text)
+
+    def _prepare_words(self, text: str) -> None:
+        """Ask llm to prefill a partial's words: one call at a time, the newest words next (a partial
+        comes every ~200 ms; those overtaken by a newer one are never sent)."""
+        self._words_to_prepare = text
+        if not self._preparing_words:
+            self._preparing_words = True
+            self._in_background(self._prepare_newest_words())
+
+    async def _prepare_newest_words(self) -> None:
+        try:
+            while (text := self._words_to_prepare) is not None:
+                self._words_to_prepare = None
+                await self._prepare(text)
+        finally:
+            self._preparing_words = False
+
+    def _announce_final(self, action: AnnounceFinal) -> None:
+        work = self.work.get(action.turn_id)
+        final = self.finals.get(action.utterance)
+        if work is None or final is None:
+            return
+        work.transcript = final
+        work.speech_end_unix_ms = self.arrivals.arrival_ms(final.speech_end_s)
+        if final.HasField("times"):
+            work.stage_times.insert(0, final.times)
+        self.sink.put_nowait(pb.ServerEvent(turn_id=work.turn_id, transcript=convert.transcript(final, final=True)))
+
+    def _turn_over(self, over: TurnOver) -> None:
+        work = self.work.pop(over.turn_id, None)
+        if work is None:
+            return
+        work.cancel()
+        for task in work.tasks:  # no longer reachable through self.work: held while they wind down
+            self._hold(task)
+        work.clock.emitted()
+        voice_ms = work.first_audio_sent_unix_ms - work.speech_end_unix_ms if work.first_audio_sent_unix_ms else None
+        work.budget_missed = voice_ms is not None and voice_ms > self.config.budget_ms
+        self.budget_misses += work.budget_missed
+        self.degradations += sum(len(s.degradations) for s in work.stage_times)
+        if over.finish_reason in ("interrupted", "cancelled"):
+            self.unheard.append(over.turn_id)
+        report = convert.turn_report(work, over, self.config, self.budget_misses, self.degradations)
+        metrics.observe_turn(report, work.first_phrase_unix_ms)
+        work.span.end(finish_reason=over.finish_reason, voice_to_voice_ms=voice_ms, budget_missed=work.budget_missed)
+        self.sink.put_nowait(pb.ServerEvent(turn_id=work.turn_id, report=report))
+
+    # -- caption mode ----------------------------------------------------------------------
+
+    async def _start_caption(self, action: StartCaption) -> None:
+        work = await self._open_work(action.turn_id, action.text, action.utterance, "caption")
+        if work is None:
+            return
+        final = work.transcript
+        if final.HasField("times"):
+            work.stage_times.append(final.times)
+        self.sink.put_nowait(pb.ServerEvent(turn_id=work.turn_id, transcript=convert.transcript(final, final=True)))
+        work.tasks.append(asyncio.create_task(self._run_caption(work), context=work.span.context()))
+
+    async def _run_caption(self, work: TurnWork) -> None:
+        """The transcript cleaned by the llm, each caption word placed on the input's timeline; the
+        turn ends through the machine (CaptionDone)."""
+        try:
+            work.llm_queued = True
+            await self.turns.start_reply(work.turn_id, convert.reply_request(
+                self.config, self.session_id, work.turn_id, work.user_text, work.speech_end_unix_ms, "caption"))
+            async for _ in self._reply_pieces(work, "caption"):
+                pass
+            text = " ".join(work.reply_text.split()) or work.user_text
+            caption = convert.caption(text, list(work.transcript.words), self.config)
+            work.clock.emitted()
+            self.sink.put_nowait(pb.ServerEvent(turn_id=work.turn_id, caption=caption))
+        except TurnFailed as e:
+            work.finish_reason, work.error = "error", str(e)
+        await self.handle(CaptionDone(work.turn_id, work.finish_reason or "eos"))

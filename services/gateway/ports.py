@@ -1,0 +1,162 @@
+"""The narrow ports a `Conversation` is driven through, so any transport drives the same object.
+
+A conversation needs four things from outside: an ASR stream (the user's audio in, transcript
+events out), a turn runner (a turn's llm and tts work started and read back, the session's
+history and the llm's side calls), an event sink (what the client is to get, in order) and a
+clock. services/gateway/stages.py implements the first two over gRPC and Redis; a transport
+(the gRPC `Converse` in service.py) supplies the sink; tests/unit/test_conversation_ports.py
+wires in-memory fakes and pushes events through in virtual time.
+
+Payloads are the project's wire messages (asr's TranscriptEvent, tts's SpeechEvent, the
+gateway's ServerEvent): they are the stages' shared vocabulary, and a transport that speaks
+another protocol converts from the gateway's ServerEvent (services/gateway/convert.py holds
+every conversion that the conversation itself needs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pipeline.llm.prompts import Exchange
+
+
+class TurnFailed(Exception):
+    """A turn's work failed and the conversation goes on: a stage ended its log with an error, the
+    log stalled (no worker took the turn), or the store stayed out of reach. The message starts
+    with the status a client would see ("DEADLINE_EXCEEDED: ...")."""
+
+
+class AsrStreamClosed(Exception):  # noqa: N818 - a signal
+    """The ASR stream ended (its status comes from iterating it); nothing more can be written."""
+
+
+@dataclass(frozen=True)
+class ClientAudio:
+    """Input audio in the stream's declared format."""
+
+    data: bytes
+
+
+@dataclass(frozen=True)
+class ClientPlayback:
+    """The client's report of where its playback of a turn's audio is."""
+
+    turn_id: str
+    played_until_s: float
+
+
+ClientInput = ClientAudio | ClientPlayback
+
+
+@dataclass(frozen=True)
+class ReplyPiece:
+    """One entry of a turn's token log (one verify step's accepted tokens), each seq once."""
+
+    text: str
+    accepted: int
+    first: bool = False  # the log's first entry: it says how much of the prompt was cached
+    cached_tokens: int = 0
+    end: bool = False
+    finish_reason: str = ""
+    times: Any = None  # common.StageTimes of the llm, on the end entry
+    error: str = ""  # the end entry of a failed turn
+
+
+@dataclass(frozen=True)
+class SpeechEnd:
+    """The turn's speech stream ended."""
+
+    finish_reason: str = ""
+    error: str = ""
+
+
+class AsrStream(Protocol):
+    """One open recognition stream for the conversation's audio."""
+
+    async def send_audio(self, chunk: bytes) -> None:
+        """Raises AsrStreamClosed once the stream has ended."""
+
+    async def expect_phrases(self, phrases: tuple[str, ...]) -> None:
+        """Prompt the recogniser with phrases the user may say next (empty: none)."""
+
+    async def finish(self) -> None:
+        """No more audio: the stream's last events follow."""
+
+    def cancel(self) -> None: ...
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        """The transcript events (asr TranscriptEvent); raises the stream's error, if it failed."""
+
+
+class TurnRunner(Protocol):
+    """One session's turns: their records, their llm and tts work, what comes back, the history."""
+
+    async def open(self, turn_id: str) -> None:
+        """The turn's record, before any work on it; raises LimitExceededError past the session's turns."""
+
+    async def start_reply(self, turn_id: str, request: Any) -> None:
+        """Queue the llm's work (an llm ReplyRequest) on the turn."""
+
+    async def start_speech(self, turn_id: str, request: Any) -> None:
+        """Queue the tts's work (a tts SpeakTurnRequest) on the turn."""
+
+    def reply(self, turn_id: str) -> AsyncIterator[ReplyPiece]:
+        """The turn's token log, each entry once, to its end entry; raises TurnFailed."""
+
+    def speech(self, turn_id: str) -> AsyncIterator[Any]:
+        """The turn's speech (tts SpeechEvent), each item once, then a SpeechEnd; raises TurnFailed."""
+
+    async def cancel(self, turn_id: str, reply_started: bool) -> None:
+        """Tell the turn's workers it is cancelled; a reply never started has its log ended here."""
+
+    async def record(self, exchange: Exchange) -> None:
+        """Append what the user said and heard to the session's history."""
+
+    async def prepare(self, user_text: str) -> None:
+        """Ask the llm to prefill the conversation (and the words heard so far); failures cost only time."""
+
+    async def end_of_turn(self, user_text: str) -> float:
+        """The probability that `user_text` is a finished turn (1.0 when it cannot be scored)."""
+
+
+class EventSink(Protocol):
+    """Where the conversation's events wait for the client, in order (a bounded queue)."""
+
+    async def put(self, item: Any) -> None: ...
+
+    def put_nowait(self, item: Any) -> None: ...
+
+    async def get(self) -> Any: ...
+
+    def failure(self) -> BaseException | None:
+        """Set once the sink stopped taking events (a client too slow to read): the conversation ends with it."""
+
+
+class Clock(Protocol):
+    def now_s(self) -> float:
+        """Monotonic seconds: the turn-taking machine's time."""
+
+    def unix_ms(self) -> int:
+        """Wall time in Unix milliseconds: when things happened, for reports and budgets."""
+
+    async def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    """The real clock."""
+
+    def __init__(self) -> None:
+        self._t0 = time.monotonic()
+
+    def now_s(self) -> float:
+        return time.monotonic() - self._t0
+
+    def unix_ms(self) -> int:
+        return time.time_ns() // 1_000_000
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
