@@ -8,7 +8,7 @@ COQUI_VENV ?= .venv-coqui
 # (its tests then skip, except in CI, where they fail).
 COQUI ?= coqui
 
-.PHONY: install coqui protos demo test test-fast lint up clean
+.PHONY: install coqui protos demo test test-fast lint up clean llama-bench
 
 install: $(VENV)/.installed services/gen/.built
 
@@ -75,6 +75,11 @@ test: lint
 # three; `make test-fast` the first two, in about half a minute on two cores (no lint, no Coqui env).
 test-fast: install
 	$(BIN)/python -m pytest tests/unit tests/service $(PYTEST_WORKERS)
+
+# llama.cpp's own llama-bench, for `specvox bench spec`'s llama.cpp row: built from the llama.cpp that the
+# pinned llama-cpp-python sdist vendors, for this CPU (about 10 minutes on 2 cores; bench/build_llama_bench.sh).
+llama-bench: install
+	PYTHON=$(BIN)/python bash bench/build_llama_bench.sh
 
 up: install
 	$(BIN)/specvox up

@@ -250,7 +250,8 @@ def print_comparison(summaries: dict[str, dict]) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", type=int, default=8, help="sentences per voice")
-    parser.add_argument("--json", dest="json_path", help="write the rows here")
+    parser.add_argument("--json", dest="json_path", default="docs/benchmarks/results/asr.json",
+                        help="write the rows here (default: %(default)s, the current figures)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
                         help="also replay each clip with these asr settings changed (repeatable)")
     parser.add_argument("--chunk-ms", type=int, default=100, help="audio per chunk the replayed microphone sends")

@@ -567,8 +567,9 @@ def run(settings, session_counts: tuple[int, ...], turns: int, json_path: str | 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sessions", default="1,4", help="concurrent session counts to measure")
     parser.add_argument("--turns", type=int, default=8, help="each session's spoken turns")
-    parser.add_argument("--json", dest="json_path", help="write the rows here")
-    parser.add_argument("--out", default="docs", help="folder for the waterfall PNG")
+    parser.add_argument("--json", dest="json_path", default="docs/benchmarks/results/e2e.json",
+                        help="write the rows here (default: %(default)s, the current figures)")
+    parser.add_argument("--out", default="docs/benchmarks/results", help="folder for the waterfall PNG")
 
 
 def run_from_args(settings, args: argparse.Namespace) -> int:

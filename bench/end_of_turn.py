@@ -367,7 +367,8 @@ def _cell(method: dict, t: float) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", dest="json_path", help="write the rows here")
+    parser.add_argument("--json", dest="json_path", default="docs/benchmarks/results/end_of_turn.json",
+                        help="write the rows here (default: %(default)s, the current figures)")
 
 
 def run_from_args(settings, args: argparse.Namespace) -> int:

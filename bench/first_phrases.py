@@ -28,7 +28,8 @@ NEW = ("What is the tallest mountain in the world?", "Why do cats purr?", "How d
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", dest="json_path")
+    parser.add_argument("--json", dest="json_path", default="docs/benchmarks/results/first_phrases.json",
+                        help="write the result here (default: %(default)s, the current figures)")
     parser.add_argument("--ahead", type=int, default=30, help="steps the three replies run before the new one")
     parser.add_argument("--tokens", type=int, default=10, help="the new reply's tokens to wait for")
     parser.add_argument("--rounds", type=int, default=2)

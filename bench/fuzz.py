@@ -701,7 +701,8 @@ def run(settings_, cases: int, json_path: str | None, run_seed: int | None = Non
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cases", type=int, default=200, help="hypothesis cases per gRPC method")
     parser.add_argument("--seed", type=int, help="hypothesis seed (default: a random one, printed)")
-    parser.add_argument("--json", dest="json_path", help="write the rows here")
+    parser.add_argument("--json", dest="json_path", default="docs/benchmarks/results/fuzz.json",
+                        help="write the rows here (default: %(default)s, the current figures)")
 
 
 def run_from_args(settings, args: argparse.Namespace) -> int:

@@ -3,20 +3,20 @@
 #   1. the engine's tests with the bundled target on the GPU (SPECVOX_LLM__DEVICE=cuda), the
 #      CUDA graphs' first;
 #   2. `specvox bench spec` in float32 and in bfloat16 on the GPU;
-#   3. the figures into docs/benchmarks.md, a dated subsection under "Losslessness and the guard".
+#   3. the figures into docs/benchmarks/history.md, a dated subsection under "Losslessness and the guard".
 # It stops at once, with a message and exit status 2, where torch sees no CUDA device.
 #
 #   bench/gpu_check.sh                      # the whole check
 #   bench/gpu_check.sh --write A.json B.json [TESTS_LOG]   # only step 3, from bench spec JSON files
 #
-# Environment: PYTHON (default .venv/bin/python), DOCS (default docs/benchmarks.md), LIMIT and
+# Environment: PYTHON (default .venv/bin/python), DOCS (default docs/benchmarks/history.md), LIMIT and
 # TOKENS (bench spec's --limit and --max-new-tokens: 4 and 64), OUT (where JSON and logs go),
 # TESTS (the test files, in order), DTYPES (default "float32 bfloat16"), TESTS_TIMEOUT and
 # BENCH_TIMEOUT (seconds: 270 for the tests, 130 for each bench spec).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
-DOCS=${DOCS:-docs/benchmarks.md}
+DOCS=${DOCS:-docs/benchmarks/history.md}
 LIMIT=${LIMIT:-4}
 TOKENS=${TOKENS:-64}
 TESTS=${TESTS:-tests/e2e/test_cuda_graph_step.py tests/e2e/test_engine.py tests/e2e/test_speculative.py tests/e2e/test_lossless.py tests/e2e/test_batch.py}
@@ -37,6 +37,7 @@ MARKER = "<!-- gpu_check.sh writes its dated figures below this line -->"
 docs, *rest = sys.argv[1:]
 jsons = [a for a in rest if a.endswith(".json")]
 logs = [a for a in rest if not a.endswith(".json")]
+yes_no = {True: "yes", False: "no", None: ""}.get
 stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 try:
     device = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
@@ -52,10 +53,13 @@ lines += ["| dtype | workload | method | tok/s | vs HF greedy | tokens per pass 
           "|---|---|---|---:|---:|---:|---|---|"]
 for path in jsons:
     for r in json.loads(Path(path).read_text()):
+        if r.get("missing"):  # a row bench spec could not run (llama.cpp's), with the reason
+            lines.append(f"| | {r['workload']} | {r['method']} | missing: {r['missing']} | | | | |")
+            continue
         accepted = "" if r.get("mean_accepted_len") is None else f"{r['mean_accepted_len']:.2f}"
         lines.append(f"| {r['dtype']} | {r['workload']} | {r['method']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup_vs_hf_greedy']:.2f}× | {accepted} | {'yes' if r['identical_to_greedy'] else 'no'} | "
-                     f"{'yes' if r['identical_to_plain'] else 'no'} |")
+                     f"{r['speedup_vs_hf_greedy']:.2f}× | {accepted} | {yes_no(r['identical_to_greedy'])} | "
+                     f"{yes_no(r['identical_to_plain'])} |")
 block = "\n".join(lines) + "\n"
 text = Path(docs).read_text()
 if MARKER in text:

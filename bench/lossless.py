@@ -350,7 +350,8 @@ def print_table(rows: list[dict], threshold: float) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replies", type=int, default=400, help="replies sampled per case")
     parser.add_argument("--limit", type=int, default=len(PROMPTS), help=f"prompts (at most {len(PROMPTS)})")
-    parser.add_argument("--json", dest="json_path", help="write the rows here")
+    parser.add_argument("--json", dest="json_path", default="docs/benchmarks/results/lossless.json",
+                        help="write the rows here (default: %(default)s, the current figures)")
 
 
 def run_from_args(settings, args: argparse.Namespace) -> int:

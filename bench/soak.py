@@ -317,8 +317,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minutes", type=float, default=30.0, help="how long the conversations run")
     parser.add_argument("--sessions", type=int, default=4, help="concurrent sessions")
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between memory samples")
-    parser.add_argument("--json", dest="json_path", help="write the rows here")
-    parser.add_argument("--out", default="docs", help="folder for the memory PNG")
+    parser.add_argument("--json", dest="json_path", default="docs/benchmarks/results/soak.json",
+                        help="write the rows here (default: %(default)s, the current figures)")
+    parser.add_argument("--out", default="docs/benchmarks/results", help="folder for the memory PNG")
 
 
 def run_from_args(settings, args: argparse.Namespace) -> int:

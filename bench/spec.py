@@ -221,9 +221,12 @@ class LlamaBench:
     methods, so that load drifts weigh on it as on the others: N tokens generated one pass at a
     time from an empty context, timed inside the binary after its one-token warm-up, with no
     Python around the loop. It stops at no end-of-sequence token and prefills no prompt, where
-    the other rows pay each prompt's prefill, so the comparison leans llama.cpp's way. The same
-    file and thread count as the llama-cpp-python row (below), whose loop adds Python's cost per
-    token to the same library's.
+    the other rows pay each prompt's prefill, so the comparison leans llama.cpp's way. llama.cpp's
+    own defaults, its repacked weights (extra buffer types) included: on an Intel Xeon with AMX
+    (2026-12-06) they decoded one-token passes about twice as fast as without (`--repack 0`), while a
+    pass of two tokens or more died there (SIGILL), which is why the llama-cpp-python row (below)
+    loads without them. The same file and thread count as that row, whose loop adds Python's cost
+    per token to the same library's.
     """
 
     def __init__(self, binary: str, gguf: str, threads: int, tokens: int) -> None:
@@ -357,9 +360,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
     parser.add_argument("--workload", action="append", choices=["dialogue", "caption"],
                         help="prompt sets in this order (repeatable; default dialogue then caption)")
-    parser.add_argument("--json", dest="json_path", help="write the rows here")
+    parser.add_argument("--json", dest="json_path", default="docs/benchmarks/results/spec.json",
+                        help="write the rows here (default: %(default)s, the current figures)")
+    parser.add_argument("--llama-bench", metavar="PATH",
+                        help=f"llama.cpp's llama-bench binary for the llama.cpp row (default: ${LLAMA_BENCH_ENV}, "
+                             f"then {LLAMA_BENCH_BUILT}, which bench/build_llama_bench.sh builds, then PATH)")
 
 
 def run_from_args(settings, args: argparse.Namespace) -> int:
     workloads = tuple(args.workload or ("dialogue", "caption"))
-    return run(settings, args.limit, args.max_new_tokens, args.json_path, workloads)
+    return run(settings, args.limit, args.max_new_tokens, args.json_path, workloads, args.llama_bench)

@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default="suffix", help="the drafter swept over draft lengths")
     parser.add_argument("--limit", type=int, default=16, help="prompts per set")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
-    parser.add_argument("--out", default="docs", help="folder for the PNGs and JSON")
+    parser.add_argument("--out", default="docs/benchmarks/results", help="folder for the PNGs and JSON")
 
 
 def run_from_args(settings, args: argparse.Namespace) -> int:

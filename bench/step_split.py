@@ -207,7 +207,8 @@ def print_tables(rows: list[dict], engine: list[dict]) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt")
-    parser.add_argument("--json", dest="json_path", help="write the rows here")
+    parser.add_argument("--json", dest="json_path", default="docs/benchmarks/results/step_split.json",
+                        help="write the rows here (default: %(default)s, the current figures)")
 
 
 def run_from_args(settings, args: argparse.Namespace) -> int:

@@ -156,7 +156,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", default="", help="piper or coqui (default: tts.backend)")
     parser.add_argument("--token-ms", type=float, default=40.0, help="a word of the reply every this many ms")
     parser.add_argument("--threads", type=int, default=0, help="model threads (default: tts.threads)")
-    parser.add_argument("--json", dest="json_path", help="write the rows here")
+    parser.add_argument("--json", dest="json_path", default="docs/benchmarks/results/tts.json",
+                        help="write the rows here (default: %(default)s, the current figures)")
 
 
 def run_from_args(settings, args: argparse.Namespace) -> int:

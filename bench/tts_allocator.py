@@ -176,7 +176,8 @@ def run(settings, minutes: float, json_path: str | None, log_dir: str = "") -> i
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minutes", type=float, default=30.0, help="how long each variant is hammered")
-    parser.add_argument("--json", dest="json_path", help="write the rows here")
+    parser.add_argument("--json", dest="json_path", default="docs/benchmarks/results/tts_allocator.json",
+                        help="write the rows here (default: %(default)s, the current figures)")
 
 
 def run_from_args(settings, args: argparse.Namespace) -> int:

@@ -78,7 +78,8 @@ def print_table(rows: list[dict]) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", type=int, default=8, help="spoken turns (the first questions of the dialogue set)")
-    parser.add_argument("--json", dest="json_path", help="write the rows here")
+    parser.add_argument("--json", dest="json_path", default="docs/benchmarks/results/turn.json",
+                        help="write the rows here (default: %(default)s, the current figures)")
 
 
 def run_from_args(settings, args: argparse.Namespace) -> int:

@@ -44,12 +44,12 @@ class AsrOptions:
     compute_type: str = "int8"
     # CTranslate2's threads (0: its default, one per core). One: a pass (~40 ms) is far inside the
     # 200 ms cadence and the final's pass runs during the silence, and on 2 cores shared with the
-    # llm and tts a second thread made passes slower by the wall clock (docs/benchmarks.md).
+    # llm and tts a second thread made passes slower by the wall clock (docs/benchmarks/history.md).
     cpu_threads: int = 1
     language: str = "en"  # a stream's StreamConfig.language overrides it; "": the model detects it
     beam_size: int = 1
     # Decode text tokens only (<|notimestamps|>): word timings still come from the cross-attention
-    # alignment, and each pass emits fewer tokens (see docs/benchmarks.md for the saving).
+    # alignment, and each pass emits fewer tokens (see docs/benchmarks/history.md for the saving).
     without_timestamps: bool = True
     vad_threshold: float = 0.5
     speech_start_ms: int = 200  # speech heard for this long starts an utterance (shorter blips are ignored)
@@ -61,7 +61,7 @@ class AsrOptions:
     # waits 0.8 s, LiveKit 0.5 s) and is what puts the final within 300 ms of the end of
     # speech; a pause inside a sentence may close an utterance early, and the gateway then
     # carries its words into the next turn when the user speaks on before hearing the reply
-    # (docs/benchmarks.md counts the splits).
+    # (docs/benchmarks/history.md counts the splits).
     end_of_speech_silence_ms: int = 150
     # The VAD looks at new audio this often (each 32 ms window is computed once, so checks are
     # cheap): at the first chunk that crosses each multiple of it in the stream, so a client sending
@@ -548,7 +548,7 @@ def trimmed_whisper_class(min_frames: int) -> type:
     paid again on every partial pass. This keeps the audio's frames plus 1-2 s of the
     padding, and at least `min_frames` (10 ms each; `asr.encoder_min_s`). Whisper was trained
     on 30 s windows, so this is a trade; `specvox bench asr` measures it against stock
-    (docs/benchmarks.md); set `asr.trim_encoder_input=false` for stock behaviour.
+    (docs/benchmarks/history.md); set `asr.trim_encoder_input=false` for stock behaviour.
     """
     from faster_whisper import WhisperModel
 

@@ -46,7 +46,7 @@ DEFAULT_BACKCHANNELS = (
 # is"): a turn of these alone waits `incomplete_wait_s` whatever its score. With a conversation
 # before it the stage's model scores a lone "Hello?" as a whole message (0.056 after three
 # exchanges, above "Yes." at 0.034), so the score alone cut the user off at such a pause
-# (docs/benchmarks.md, "Live conversations end to end").
+# (docs/benchmarks/history.md, "Live conversations end to end").
 DEFAULT_OPENERS = (
     "hello", "hi", "hey", "hello there", "hi there", "hey there", "excuse me", "so", "well", "um", "uh",
     "listen", "i have a question", "quick question", "one question",
@@ -61,7 +61,7 @@ class TurnTakingOptions:
     # A text end-of-turn score at least this confirms a turn at once; lower waits for more
     # silence. 0: every final ends the turn (silence alone decides). 0.01 (lower-marks) and 0.7 s
     # cut off 0 of 50 in-sentence pauses (bundled and espeak-ng voices) where silence alone cut
-    # off 44 of 50 (docs/benchmarks.md, "End of turn").
+    # off 44 of 50 (docs/benchmarks/history.md, "End of turn").
     end_of_turn_threshold: float = 0.01
     incomplete_wait_s: float = 0.7  # more silence after a low-scored final before it is the turn's end
     backchannels: tuple[str, ...] = DEFAULT_BACKCHANNELS
@@ -70,7 +70,7 @@ class TurnTakingOptions:
     # Over the avatar, only words the asr is at least this sure of can take the floor; the rest
     # count as noise. Whisper tiny turns a murmured "mm-hmm" into "And" (p 0.43) or "mm in a
     # moment" (0.00, 0.30, 0.71, 0.39), while a real "Stop." or "Hold on." came at 0.52-0.94 on
-    # both test voices (docs/benchmarks.md, "Live conversations end to end").
+    # both test voices (docs/benchmarks/history.md, "Live conversations end to end").
     min_interrupt_confidence: float = 0.45
     pause_max_s: float = 3.0  # a pause the words never decided ends in a resume
     audio_lead_s: float = 1.0  # reply audio sent ahead of playback, at most

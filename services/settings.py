@@ -74,7 +74,7 @@ class Settings(BaseSettings):
     # Each service process's CPU priority (its nice value; a service not named keeps 0). The
     # stages that write replies yield the cores to asr and the gateway, whose work is small and
     # on every turn's critical path (the final transcript, the pause): 4 sessions on 2 cores gave
-    # asr final p95 453 against 643 ms and pause p95 223 against 266 ms (docs/benchmarks.md).
+    # asr final p95 453 against 643 ms and pause p95 223 against 266 ms (docs/benchmarks/history.md).
     nice: dict[str, int] = {"llm": 10, "tts": 10}
     # glibc's allocator in each service (services/server/allocator.py): arenas capped (0: glibc's default,
     # 8 per core) and free pages handed back every so many seconds (0: never), so that a

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ast
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -115,85 +115,46 @@ class Circle(NamedTuple):
 def circles(graph: dict[str, set[str]]) -> list[Circle]:
     """Every group of the project's modules that import each other; none when the graph has no cycle."""
     edges = project_edges(graph)
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    components: list[set[str]] = []
-
-    def connect(start: str) -> None:  # Tarjan's algorithm, iterative: no recursion limit on long chains
-        work = [(start, iter(sorted(edges[start])))]
-        index[start] = low[start] = len(index)
-        stack.append(start)
-        on_stack.add(start)
-        while work:
-            node, targets = work[-1]
-            target = next(targets, None)
-            if target is None:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
-                if low[node] == index[node]:
-                    component = set()
-                    while True:
-                        member = stack.pop()
-                        on_stack.discard(member)
-                        component.add(member)
-                        if member == node:
-                            break
-                    components.append(component)
-            elif target not in index:
-                index[target] = low[target] = len(index)
-                stack.append(target)
-                on_stack.add(target)
-                work.append((target, iter(sorted(edges[target]))))
-            elif target in on_stack:
-                low[node] = min(low[node], index[target])
-
-    for name in sorted(edges):
-        if name not in index:
-            connect(name)
-    return sorted(Circle(sorted(c), _shortest_circle(edges, c)) for c in components if len(c) > 1)
-
-
-def _shortest_circle(edges: dict[str, set[str]], component: set[str]) -> list[str]:
-    start = min(component)
-    came_from: dict[str, str] = {}
-    frontier = [start]
-    while frontier:  # breadth first inside the component, back to `start`
-        following = []
-        for node in frontier:
-            for target in sorted(edges[node] & component):
-                if target == start:
-                    path = [node]
-                    while path[-1] != start:
-                        path.append(came_from[path[-1]])
-                    return [start, *reversed(path[:-1]), start] if node != start else [start, start]
-                if target not in came_from:
-                    came_from[target] = node
-                    following.append(target)
-        frontier = following
-    raise AssertionError(f"{sorted(component)} is no cycle")
+    reach = {name: _reachable(edges, name) for name in edges}
+    groups = {frozenset(m for m in reach[name] if name in reach[m]) for name in edges if name in reach[name]}
+    return sorted(Circle(sorted(group), _shortest_path(edges, min(group), min(group).__eq__)) for group in groups)
 
 
 def reaching(graph: dict[str, set[str]], source: str, forbidden: Iterable[str]) -> list[str] | None:
     """The shortest chain of imports from `source` to a module within one of `forbidden`, or None."""
     forbidden = tuple(forbidden)
-    came_from = {source: ""}
+    return _shortest_path(graph, source, lambda module: any(within(module, f) for f in forbidden))
+
+
+def _reachable(edges: dict[str, set[str]], source: str) -> set[str]:
+    """What `source` imports, directly or through others (itself too where a circle leads back)."""
+    seen: set[str] = set()
+    pending = [source]
+    while pending:
+        for target in edges.get(pending.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                pending.append(target)
+    return seen
+
+
+def _shortest_path(edges: dict[str, set[str]], source: str, arrived: Callable[[str], bool]) -> list[str] | None:
+    """The shortest chain of arrows from `source` to a module where `arrived` holds (`source` itself
+    only back through a circle), breadth first; None when there is none."""
+    came_from: dict[str, str] = {}
     frontier = [source]
     while frontier:
         following = []
         for node in frontier:
-            for target in sorted(graph.get(node, ())):
-                if target in came_from:
-                    continue
-                came_from[target] = node
-                if any(within(target, f) for f in forbidden):
-                    chain = [target]
+            for target in sorted(edges.get(node, ())):
+                if arrived(target):
+                    chain = [node]
                     while chain[-1] != source:
                         chain.append(came_from[chain[-1]])
-                    return chain[::-1]
-                following.append(target)
+                    return [*reversed(chain), target]
+                if target not in came_from and target != source:
+                    came_from[target] = node
+                    following.append(target)
         frontier = following
     return None
 

@@ -1,6 +1,6 @@
 """Decoding and verification passes replayed as CUDA graphs, where a GPU pass is launch overhead.
 
-On an H200 a plain step of the bundled 135M target took ~14 ms eagerly (docs/benchmarks.md,
+On an H200 a plain step of the bundled 135M target took ~14 ms eagerly (docs/benchmarks/history.md,
 "GPU check"): a pass of 0.3 GFLOP spread over some 400 kernels, each launched from Python, and a
 verification pass of a few rows costs the same launches. A CUDA graph records those launches
 once and replays them with one call (gpt-fast reaches the same end with

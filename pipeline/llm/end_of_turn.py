@@ -10,7 +10,7 @@ strips its punctuation, because its model was trained on such text.
 
 Here it is the stage's own instruct model as it is, not fine-tuned, and the text is what
 whisper wrote. That changes what works (measured by `specvox bench end-of-turn` on both test
-voices; docs/benchmarks.md):
+voices; docs/benchmarks/history.md):
 
 - whisper punctuates at a pause ("Hello," or "Hello." where the user only took a breath), and
   the instruct model gives `<|im_end|>` after a full stop little weight anyway (it expects
@@ -58,7 +58,7 @@ END_OF_TURN_TOKEN = "<|im_end|>"  # ChatML's end of a message (SmolLM2, Qwen, ..
 END_MARKS = (".", "?", "!")  # the marks a message may end with, folded into `marks`
 NORMALISATIONS = ("marks", "raw", "strip", "lower", "lower-marks", "unpunct-marks")
 DEFAULT_NORMALISATION = "lower-marks"
-# The policy measured by `specvox bench end-of-turn` (docs/benchmarks.md): when an utterance closes,
+# The policy measured by `specvox bench end-of-turn` (docs/benchmarks/history.md): when an utterance closes,
 # the turn is complete if the score is at least COMPLETE_THRESHOLD; otherwise wait up to
 # INCOMPLETE_WAIT_MS more silence for the user to go on before ending it anyway. On 22 paused and
 # 8 whole turns per voice (both voices): 0 of 50 pause closes cut off, 28 of 60 ends waited;

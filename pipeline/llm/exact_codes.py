@@ -11,7 +11,7 @@ matrix whose codes give back every weight bit for bit, with d·q exact in float3
 kernel's fused multiply-add rounds as torch's two operations do. The arithmetic is float32 on the model's own weights
 (`llm.weights=int4-exact`); only the order of each dot product's sums differs from torch's
 kernels, as it does between any two float32 kernels. A step's products take ~12 ms for one
-token and ~25 ms for nine, against ~36 and ~60 ms dense, on an AVX-512 host (docs/benchmarks.md,
+token and ~25 ms for nine, against ~36 and ~60 ms dense, on an AVX-512 host (docs/benchmarks/history.md,
 which has the AVX2 figures too).
 
 Unlike `llm.weights=int4` (`weight_kernels.Int4Linear`: requantized weights, bfloat16
@@ -77,7 +77,7 @@ KERNEL_FILES = (KERNEL_SOURCE, KERNELS / "lean_step.cpp", KERNELS / "codes.h", K
 # (`llm.kernel_threads`), which the caller never waits on to start. OpenMP's regions did: on a
 # machine whose 2 cores other processes share, each of a step's ~150 regions waited for its second
 # thread to be scheduled (2026-12-02 under load ~4: 396 ms a one-token step on 2 threads against
-# 28 ms on one; docs/benchmarks.md, "Lean step and llama.cpp").
+# 28 ms on one; docs/benchmarks/history.md, "Lean step and llama.cpp").
 KERNEL_FLAGS = ("-O3", "-march=native")
 LANES = 16  # output features per block of the kernel's layout: one AVX-512 register, or two AVX2 ones
 # torch's CPU capability → the instruction set the kernel is compiled for (simd16.h): its vector is

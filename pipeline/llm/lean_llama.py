@@ -63,7 +63,7 @@ DECODE_MAX_TOKENS = 32
 # alone, 1.3-2.2× faster than torch's batched pass over the dense weights from 40 to 300 tokens; a longer
 # one, whose row-by-row attention catches up with its products (even at 600), through torch's pass. On
 # float32 activations (int4-exact) the fused pass won only below ~80 tokens, so those prompts stay dense
-# past DECODE_MAX_TOKENS (docs/benchmarks.md, 2026-12-05).
+# past DECODE_MAX_TOKENS (docs/benchmarks/history.md, 2026-12-05).
 FUSED_PREFILL_TOKENS = 512
 
 

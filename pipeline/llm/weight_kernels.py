@@ -53,7 +53,7 @@ class PackedLinear:
     product leaves the memory-bound path it takes for one or two rows: on 2 cores the
     30 layers' products cost 27 ms for one token and 68 ms for nine. MKL's packed kernel
     (what PyTorch's inductor uses for frozen CPU linears) keeps one token at 27 ms and does
-    nine in 42 ms, so a verified token costs less than half as much (docs/benchmarks.md).
+    nine in 42 ms, so a verified token costs less than half as much (docs/benchmarks/history.md).
     The packed copies add about 1.3 times the weights' size in memory (+0.7 GB for the
     bundled target; `llm.pack_weights=false` goes without). Results agree with F.linear to
     float32 rounding (the summation order differs), not bit for bit.

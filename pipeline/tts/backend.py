@@ -31,7 +31,7 @@ class TtsOptions:
     use_cuda: bool = False  # piper: run the ONNX model with CUDA
     # onnxruntime (piper) or torch (coqui) intra-op threads; 0: one per core. On a quiet 2-core
     # machine two threads synthesize 2.4x faster than one (RTF 0.08 against 0.19); when the
-    # cores are saturated by other work one thread did slightly better (docs/benchmarks.md).
+    # cores are saturated by other work one thread did slightly better (docs/benchmarks/history.md).
     threads: int = 0
     # The voice's generator and phoneme-width noise; None keeps the voice's own. 0 makes synthesis
     # deterministic (the tests use that, so their speech is the same on every run).

@@ -86,7 +86,7 @@ def kernel_threads_beside_other_stages(settings, env: dict[str, str]) -> None:
     """Under `specvox up` the llm shares the machine's cores with asr and tts, so its int4-exact
     kernels run on the calling thread unless `llm.kernel_threads` names a count (its 0, one per core,
     is for an llm with a machine to itself). Two kernel threads beside the other stages, 4 sessions
-    on 2 cores (2026-12-05, docs/benchmarks.md): the budget missed in 19 of 72 turns against 12 on one."""
+    on 2 cores (2026-12-05, docs/benchmarks/history.md): the budget missed in 19 of 72 turns against 12 on one."""
     if settings.llm.kernel_threads == 0:
         env.setdefault("SPECVOX_LLM__KERNEL_THREADS", "1")
 

@@ -122,7 +122,7 @@ def test_the_gateway_runs_without_torch(stack):
 
 
 def test_under_specvox_up_the_llms_kernels_run_on_one_thread(stack):
-    """asr and tts share the cores there; a second kernel thread lost at 4 sessions (docs/benchmarks.md)."""
+    """asr and tts share the cores there; a second kernel thread lost at 4 sessions (docs/benchmarks/history.md)."""
     assert listening_process(stack["llm"]).environ().get("SPECVOX_LLM__KERNEL_THREADS") == "1"
     env = {"SPECVOX_LLM__KERNEL_THREADS": "3"}
     kernel_threads_beside_other_stages(Settings(), env)  # the user's own setting wins

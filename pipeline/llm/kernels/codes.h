@@ -25,7 +25,7 @@ constexpr int kRowsPerSweep = 12;       // 24 accumulators and the rest in AVX-5
 #else
 // AVX2 takes a record's 16 lanes 8 at a time for three rows or more (block_product_halves), so
 // a row's two accumulators are two of the 16 ymm registers. Measured on a Zen 3 (2026-12-03,
-// docs/benchmarks.md), a step's products at nine rows: 45 ms at 5 (5 + 4), 46 at 6, 56 at 4,
+// docs/benchmarks/history.md), a step's products at nine rows: 45 ms at 5 (5 + 4), 46 at 6, 56 at 4,
 // against 59 for the 16-lane kernel at 4 rows a sweep; one row ~10 ms either way.
 #ifndef SPECVOX_ROWS_AVX2
 #define SPECVOX_ROWS_AVX2 5

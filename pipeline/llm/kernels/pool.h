@@ -5,7 +5,7 @@
 // regions, and each OpenMP region hands every thread its share up front, then waits for all of them.
 // On a machine whose cores other processes share, a region whose second thread is not scheduled
 // waits a scheduler slice for it: measured 2026-12-02 under load ~4, a one-token step took 396 ms
-// on two threads against 28 ms on one (docs/benchmarks.md, "Lean step and llama.cpp").
+// on two threads against 28 ms on one (docs/benchmarks/history.md, "Lean step and llama.cpp").
 //
 // Here a loop's range is claimed a chunk at a time from one atomic cursor by whoever runs: the
 // caller claims chunks too, so a helper that is late or asleep only leaves it more to do, and the
