@@ -60,7 +60,6 @@ from services.gateway.ports import (
     AsrStreamClosed,
     ClientAudio,
     ClientInput,
-    ClientPlayback,
     Clock,
     EventSink,
     ReplyPiece,
@@ -171,7 +170,7 @@ class Conversation:
         the error that ended it) goes to the sink."""
         ticker = asyncio.create_task(self._tick())
         if self.config.mode != Config.CAPTION:
-            self._in_background(self._prepare())
+            self._in_background(self.turns.prepare(""))  # the conversation so far, while the user starts
         try:
             forward = asyncio.create_task(self._forward(inputs))
             try:
@@ -224,8 +223,8 @@ class Conversation:
         try:
             async for item in inputs:
                 match item:
-                    case ClientPlayback(turn_id=turn_id, played_until_s=played_until_s):
-                        await self.handle(PlaybackReported(turn_id, played_until_s))
+                    case PlaybackReported():
+                        await self.handle(item)
                     case ClientAudio(data=data):
                         self.arrivals.received(data)
                         await self.asr.send_audio(data)
@@ -455,15 +454,12 @@ class Conversation:
             work.end_of_turn_ms = self.clock.unix_ms() - asked_ms
         await self.handle(EndOfTurnScored(action.turn_id, probability))
 
-    async def _prepare(self, user_text: str = "") -> None:
-        """llm prefills the session's conversation while the user starts to speak (the first turn's
-        score would otherwise prefill the persona), and the words heard so far while they speak (the
-        turn's score and reply then prefill only the words said since); a failure costs only that time."""
-        await self.turns.prepare(user_text)
-
     def _prepare_words(self, text: str) -> None:
         """Ask llm to prefill a partial's words: one call at a time, the newest words next (a partial
-        comes every ~200 ms; those overtaken by a newer one are never sent)."""
+        comes every ~200 ms; those overtaken by a newer one are never sent). llm prefills the session's
+        conversation as the stream starts (the first turn's score would otherwise prefill the persona),
+        and the words heard so far while the user speaks (the turn's score and reply then prefill only
+        the words said since); a failure costs only that time."""
         self._words_to_prepare = text
         if not self._preparing_words:
             self._preparing_words = True
@@ -473,7 +469,7 @@ class Conversation:
         try:
             while (text := self._words_to_prepare) is not None:
                 self._words_to_prepare = None
-                await self._prepare(text)
+                await self.turns.prepare(text)
         finally:
             self._preparing_words = False
 

@@ -15,7 +15,8 @@ from pipeline.captions import (
     webvtt_block,
     webvtt_document,
 )
-from services.gateway.ports import ClientAudio, ClientInput, ClientPlayback
+from pipeline.turn_taking import PlaybackReported
+from services.gateway.ports import ClientAudio, ClientInput
 from services.protos import load, load_common
 
 pb, _ = load("gateway")
@@ -32,7 +33,7 @@ def client_input(message: Any) -> ClientInput:
     if kind == "audio":
         return ClientAudio(message.audio)
     if kind == "playback":
-        return ClientPlayback(message.playback.turn_id, message.playback.played_until_s)
+        return PlaybackReported(message.playback.turn_id, message.playback.played_until_s)
     raise ValueError("only audio and playback reports may follow the start message")
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pipeline.llm.prompts import Exchange
+from pipeline.turn_taking import PlaybackReported
 
 
 class TurnFailed(Exception):
@@ -41,15 +42,9 @@ class ClientAudio:
     data: bytes
 
 
-@dataclass(frozen=True)
-class ClientPlayback:
-    """The client's report of where its playback of a turn's audio is."""
-
-    turn_id: str
-    played_until_s: float
-
-
-ClientInput = ClientAudio | ClientPlayback
+# The client's input: audio, or a report of where its playback of a turn's audio is (the machine's
+# own event, handed to it as it is).
+ClientInput = ClientAudio | PlaybackReported
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pipeline.llm.prompts import Exchange
 from services.gateway.convert import asr_pb, common, llm_pb, tts_pb
 from services.gateway.ports import AsrStreamClosed, ReplyPiece, SpeechEnd, TurnFailed
 from services.server import limits, tracing
-from services.server.errors import status_of
+from services.server.errors import rejection
 from services.settings import Settings
 from services.store.client import REDIS_ERRORS, now_ms
 from services.store.context import RedisContext
@@ -91,7 +91,7 @@ def _turn_failures() -> Iterator[None]:
     try:
         yield
     except (TokenStreamTimeout, *REDIS_ERRORS) as e:
-        raise TurnFailed(f"{status_of(e).name}: {e}") from e
+        raise TurnFailed(rejection(e)) from e
 
 
 class StageTurnRunner:

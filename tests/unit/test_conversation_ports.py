@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 
 from pipeline.audio import PcmFormat, wav_bytes
+from pipeline.turn_taking import PlaybackReported
 from services.gateway import convert
 from services.gateway.arrivals import AudioArrivalClock
 from services.gateway.conversation import KEPT_UNHEARD_TURNS, KEPT_UTTERANCES, Conversation, Ports
 from services.gateway.convert import Config, asr_pb, common, llm_pb, pb, tts_pb
-from services.gateway.ports import AsrStreamClosed, ClientAudio, ClientPlayback, ReplyPiece, SpeechEnd, TurnFailed
+from services.gateway.ports import AsrStreamClosed, ClientAudio, ReplyPiece, SpeechEnd, TurnFailed
 from services.server.limits import LimitExceededError
 from services.settings import Settings
 
@@ -423,7 +424,7 @@ async def test_playback_reports_move_the_heard_position(wired):
     await w.hear(final(0, "What time is it?"))
     [turn] = w.turn_ids()
     await w.clock.advance(1.5)
-    w.client.inputs.put_nowait(ClientPlayback(turn, 0.45))  # the client's speaker is behind
+    w.client.inputs.put_nowait(PlaybackReported(turn, 0.45))  # the client's speaker is behind
     await w.clock.advance(0.05)
     await w.hear(kind_only(KIND.VOICE_STARTED), final(1, "Wait, what about tomorrow?"))
     [interrupt] = w.client.of("interrupt", turn)
@@ -448,7 +449,7 @@ async def test_client_audio_reaches_the_asr_and_bad_audio_ends_the_conversation_
 def test_only_audio_and_playback_reports_follow_the_start_message():
     assert convert.client_input(pb.ClientMessage(audio=b"\x00\x00")) == ClientAudio(b"\x00\x00")
     assert convert.client_input(pb.ClientMessage(playback=pb.Playback(turn_id="t", played_until_s=1.5))) == \
-        ClientPlayback("t", 1.5)
+        PlaybackReported("t", 1.5)
     with pytest.raises(ValueError, match="only audio and playback"):
         convert.client_input(pb.ClientMessage(start=pb.StreamStart(session_id="s")))
 
