@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from pipeline.llm.budget import CostMeter
+from pipeline.llm.caption_constraint import TokenConstraint, TranscriptDrafter
 from pipeline.llm.cuda_graph_step import Stopwatch
 from pipeline.llm.detokenize import IncrementalDetokenizer
 from pipeline.llm.draft_head import HeadDrafter, TrainedHead, find_heads
@@ -77,6 +78,7 @@ from pipeline.llm.sampling import (
 from pipeline.llm.token_tree import TokenTree
 
 MODEL_FREE_DRAFTERS = ("none", "ngram", "suffix")
+TRANSCRIPT = "transcript"  # a caption's drafter: its transcript's own tokens (caption_constraint.TranscriptDrafter)
 EARLY_EXIT = "early-exit"
 QUANTIZED = "quantized"  # the target's own weights at 4 bits (model.quantized_self_draft)
 # The suffix drafter's session memories, together, in tokens (~450 bytes each: ~30 MB); least
@@ -85,6 +87,7 @@ QUANTIZED = "quantized"  # the target's own weights at 4 bits (model.quantized_s
 REMEMBERED_TOKENS = 65_536
 SEEDED_DRAFT_COST = 0.25  # one draft step / one target step, assumed (not timed) for seeded sampling
 TREE_MAX_NODES = 16  # a token tree's nodes at most: the verification pass's rows grow with them
+KEPT_CONSTRAINTS = 8  # caption automata kept by transcript (a resumed caption, a caption asked again)
 REPLAY_ROWS = 16  # tokens per catch-up pass of a transformers drafter under seeded sampling (see ModelDrafter)
 
 
@@ -134,6 +137,9 @@ class GenerationRequest:
     session_key: str = ""  # lets the suffix drafter remember what this session said, and the prefix cache its KV
     resume_tokens: tuple[int, ...] = ()  # the reply's tokens already accepted (the token log's, in order)
     resume_seq: int = 0  # seq of the first step this request emits: the log's last seq + 1 (0 for a new reply)
+    # A caption of this transcript: every step's logits masked to the faithful captions of it
+    # (pipeline/llm/caption_constraint.py), in plain decoding and in verification alike. "": no constraint.
+    caption_of: str = ""
 
     def resumed(self, tokens: Sequence[int], next_seq: int) -> GenerationRequest:
         """This request, continued after `tokens` (every token its log accepted, in order), its
@@ -220,6 +226,7 @@ class Generator:
         self._shallow: Any = None  # the early-exit drafter: the lean pass truncated, else transformers' model
         self._quantized: LeanLlama | None = None
         self._memories: OrderedDict[str, SuffixDrafter] = OrderedDict()
+        self._constraints: OrderedDict[str, TokenConstraint] = OrderedDict()  # by transcript, the latest last
         self.last_stats = GenerationStats()
         self._forget_drafting_measurements()
         self.costs = CostMeter()  # what prefills and steps take here, for the latency budget
@@ -248,7 +255,7 @@ class Generator:
 
     @property
     def drafters(self) -> tuple[str, ...]:
-        return (*MODEL_FREE_DRAFTERS, *((EARLY_EXIT,) if self.early_exit_layers else ()),
+        return (*MODEL_FREE_DRAFTERS, TRANSCRIPT, *((EARLY_EXIT,) if self.early_exit_layers else ()),
                 *((QUANTIZED,) if quantized_draft_applies(self.loaded) else ()),
                 *(("draft",) if self.draft_model else ()), *self.draft_heads)
 
@@ -257,6 +264,8 @@ class Generator:
             raise ValueError(f"unknown drafter {request.drafter!r}: choose one of {', '.join(self.drafters)}")
         if not request.prompt_ids:
             raise ValueError("the prompt is empty")
+        if request.drafter == TRANSCRIPT and not request.caption_of:
+            raise ValueError("the transcript drafter drafts captions: the request has no transcript (caption_of)")
         if request.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
         request.sampling.validate()
@@ -355,11 +364,28 @@ class Generator:
         """Keep a finished request's cache (every context token but the last) for its session's next one."""
         self.prefix_cache.put(decoder.request.session_key, decoder.context[:-1], cache)
 
-    def drafter_for(self, request: GenerationRequest, random: PositionalRandom | None = None) -> Drafter:
+    def constraint_for(self, request: GenerationRequest) -> TokenConstraint | None:
+        """A caption request's constraint (its automaton's masks, kept for the next request of the same
+        transcript: a resumed or retried caption)."""
+        if not request.caption_of:
+            return None
+        constraint = self._constraints.get(request.caption_of)
+        if constraint is None:
+            constraint = TokenConstraint(request.caption_of, self.loaded.tokenizer, self.loaded.eos_token_ids)
+            self._constraints[request.caption_of] = constraint
+            while len(self._constraints) > KEPT_CONSTRAINTS:
+                self._constraints.popitem(last=False)
+        self._constraints.move_to_end(request.caption_of)
+        return constraint
+
+    def drafter_for(self, request: GenerationRequest, random: PositionalRandom | None = None,
+                    constraint: TokenConstraint | None = None) -> Drafter:
         """The request's drafter. A model drafter under seeded sampling (`random`) draws the draft
         token at reply position n from position n's draft stream, and computes q alike however
         its passes fall (`ModelDrafter`'s `exact_rows`), so that a resumed reply drafts as the
         uninterrupted one did."""
+        if request.drafter == TRANSCRIPT and constraint is not None:
+            return TranscriptDrafter(constraint, request.caption_of, self.loaded.tokenizer, len(request.prompt_ids))
         if request.drafter == "ngram":
             return PromptLookupDrafter(branches=request.draft_branches)
         if request.drafter == "suffix":
@@ -469,7 +495,11 @@ class RequestDecoder:
         self.request, self.sampling, self.should_stop = request, request.sampling, should_stop
         seed = self.sampling.seed
         self.random = None if seed is None else PositionalRandom(seed, loaded.device)
-        self.drafter: Drafter = generator.drafter_for(request, self.random)
+        # a caption: its automaton, and where it stands after the reply so far
+        self.constraint = generator.constraint_for(request)
+        self.caption_states = (self.constraint.advance(self.constraint.start(), request.resume_tokens)
+                               if self.constraint is not None else frozenset())
+        self.drafter: Drafter = generator.drafter_for(request, self.random, self.constraint)
         self.control = generator.controller_for(request, self.drafter)
         # drafting on or off from measured costs; in a batch, the batch's guard decides (BatchedDecoder)
         self.guard = generator.guard_for(request, self.drafter)
@@ -537,6 +567,8 @@ class RequestDecoder:
             draft = EMPTY
         elif self.drafter.model_free:  # drafting is free: propose the most, keep what pays
             draft = self.drafter.propose(self.context, min(self.control.max_gamma, limit))
+            if self.constraint is not None:  # a token the caption may not hold would be rejected: draft to it
+                draft = dataclasses.replace(draft, tokens=draft.tokens[: self._caption_prefix(draft.tokens)])
             draft = dataclasses.replace(draft, tokens=draft.tokens[: self.control.gamma_for_match(
                 draft.match, len(draft.tokens), limit)])
             gamma = len(draft.tokens)
@@ -551,7 +583,7 @@ class RequestDecoder:
         self.draft_s = started.seconds
         self.draft, self.match = list(draft.tokens[:gamma]), draft.match
         self.tree = None
-        if tree and gamma and draft.branches:
+        if tree and gamma and draft.branches and self.constraint is None:
             chain, branches = draft.tokens[:gamma], tuple(b[:gamma] for b in draft.branches)
             if self.branch_worth is not None:  # only the branches whose gain pays their rows
                 branches = self.branch_worth.keep(chain, branches, self.control.verify_cost_per_token)
@@ -576,6 +608,8 @@ class RequestDecoder:
         if self.tree is not None:
             return self._verify_tree(self.tree, logits, target_s, own_pass, features)
         logits = apply_repetition_penalty(logits, self.context, x, self.sampling.repetition_penalty)
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits, self._caption_rows(x, logits.shape[0]))
         if self.sampling.greedy:
             n, next_token = greedy_verify(x, logits)
         else:
@@ -583,6 +617,8 @@ class RequestDecoder:
             n, next_token = speculative_verify(drafts, logits_to_probs(logits, self.sampling), self.draft_q,
                                                self._random_at(len(self.context) - self.prompt_len))
         self.committed = [*x[:n], next_token]
+        if self.constraint is not None:
+            self.caption_states = self.constraint.advance(self.caption_states, self.committed)
         if features is not None:  # the verified positions' features: the last context token's, the accepted ones'
             self.observe_features(len(self.context) - 1, features[: n + 1])
         self.context += self.committed
@@ -616,6 +652,26 @@ class RequestDecoder:
         self.context += self.committed
         self._account(max(tree.depths()), len(self.kept), target_s, own_pass, nodes=len(tree))
         return len(self.kept)
+
+    def _caption_rows(self, draft: Sequence[int], rows: int) -> list[frozenset]:
+        """The automaton's states at each row of a verification pass: after the reply, then after each draft
+        token (no states past a token the caption may not hold: the pass stops there)."""
+        assert self.constraint is not None
+        states = [self.caption_states]
+        for token in draft[: rows - 1]:
+            states.append(self.constraint.advance(states[-1], (token,)))
+        return states
+
+    def _caption_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of a draft's first tokens the caption may hold."""
+        assert self.constraint is not None
+        states = self.caption_states
+        for n, token in enumerate(tokens):
+            allowed = self.constraint.allowed(states) if states else {}
+            if token not in allowed:
+                return n
+            states = allowed[token]
+        return len(tokens)
 
     def observe_features(self, first: int, features: torch.Tensor) -> None:
         """A head drafter's input: the target's last-layer outputs [m, D] of context positions first..."""

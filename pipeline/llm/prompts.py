@@ -9,8 +9,11 @@ DEFAULT_PERSONA = (
     "You are a friendly avatar in a live spoken conversation. "
     "Answer in one to three short sentences of plain speech, without lists or markup."
 )
+# A caption's words are held to the transcript's by pipeline/llm/caption_constraint.py whatever the model
+# would write; the instruction only asks for what the constraint leaves to it: casing, punctuation, fillers.
 CAPTION_INSTRUCTION = (
-    "Rewrite this transcript as a clean caption, keeping the speaker's words: "
+    "You write captions. Repeat the user's words exactly, in the same order, adding capital letters and "
+    "punctuation, and leaving out filler words such as um and uh."
 )
 
 
@@ -38,7 +41,7 @@ def chat_messages(
     task: Task, user_text: str, persona: str = DEFAULT_PERSONA, history: tuple[Exchange, ...] = ()
 ) -> list[dict[str, str]]:
     if task is Task.CAPTION:
-        return [{"role": "user", "content": CAPTION_INSTRUCTION + user_text}]
+        return [{"role": "system", "content": CAPTION_INSTRUCTION}, {"role": "user", "content": user_text}]
     messages = [{"role": "system", "content": persona}]
     for exchange in history:
         messages.append({"role": "user", "content": exchange.user})

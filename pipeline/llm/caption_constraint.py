@@ -1,0 +1,698 @@
+"""Captions that say only what was said: the allowed edits of a transcript, as an automaton over bytes and as
+a mask on a model's logits at every decoding step.
+
+A caption of a transcript may change casing and punctuation, break sentences, drop fillers ("um", "you
+know") and immediate repetitions ("I I think"), and write numbers, times and amounts as digits where the words
+say them ("twenty five dollars" -> "$25", and back). Nothing else: no word inserted, substituted or reordered.
+
+- `TranscriptLattice`: the transcript as its tokens and, between token boundaries, the written forms each
+  span may take (its words as said, a number's digits, an empty form for a filler or a repeated word).
+- `CaptionAutomaton`: a nondeterministic automaton over the caption's UTF-8 bytes that accepts exactly the
+  faithful captions: words of the lattice's forms in one of four casings, between words closing marks, a
+  space, opening marks (at most `MAX_MARKS`), the end only when every word was written.
+- `TokenConstraint`: the automaton lifted to a tokenizer's tokens (a walk of a byte trie of the vocabulary),
+  so a decoding step masks every token that leaves it. Applied to the target's logits alike in plain decoding
+  and in speculative verification, the committed tokens are the constrained target's, whatever drafted them.
+- `unsaid_words`: the independent check (no automaton) of a finished caption against its transcript.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from functools import lru_cache
+
+import torch
+from num2words import num2words
+from text_to_num import text2num
+
+from pipeline.llm.drafters import EMPTY, Draft
+
+DEFAULT_FILLERS = ("um", "umm", "uh", "uhh", "uhm", "er", "erm", "ah", "hmm", "mm", "you know")
+MAX_MARKS = 3  # punctuation marks between two words, dashes counted ('?" (', ' — '); spaces apart
+MAX_NUMBER_WORDS = 8  # the longest run of number words read as one number
+# what may stand between words: punctuation, and one space at a time (no line breaks: cues break lines themselves)
+SEPARATORS = frozenset(" .,;:!?-\"'()\u2014\u2013\u2026\u201c\u201d\u2018\u2019")
+APOSTROPHES = frozenset("'\u2019")
+CURRENCY_SIGNS = {"$": "dollars", "£": "pounds", "€": "euros"}
+CURRENCY_WORDS = {"dollar": "$", "dollars": "$", "pound": "£", "pounds": "£", "euro": "€", "euros": "€"}
+_WORD = re.compile(r"[^\W_]+(?:['\u2019][^\W_]+)*")
+# a transcript's tokens: a number with its symbols ("$25", "3:30", "1,000", "21st", "25%"), or a word
+_TOKEN = re.compile(r"[$£€]?\d+(?:[,.:]\d+)*(?:st|nd|rd|th)?%?|[^\W_]+(?:['\u2019][^\W_]+)*")
+_LETTERS = re.compile(r"[^\W\d_]+")
+_NUMBER_WORDS = frozenset(
+    "zero oh one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+    "seventeen eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety hundred thousand million "
+    "billion and point".split())
+
+
+def word_key(word: str) -> str:
+    """How a written word is compared: lower case, apostrophes dropped ("Don't" and "dont" are one word)."""
+    return word.lower().replace("'", "").replace("\u2019", "")
+
+
+def transcript_tokens(text: str) -> list[str]:
+    """A transcript's words and numbers, a number with its symbols: "It's $25 at 3:30." -> It's, $25, at, 3:30."""
+    return _TOKEN.findall(text)
+
+
+def written_words(text: str) -> list[str]:
+    """A text's words as a caption writes them: letters and digits, apostrophes inside ("don't", "25")."""
+    return _WORD.findall(text)
+
+
+# -- the transcript's spoken form and the numbers in it ------------------------------------------------------
+
+def number_spellings(digits: str) -> list[list[str]]:
+    """How a written number may have been said, as word keys: "25" -> twenty five; "2020" -> two thousand
+    and twenty, twenty twenty; "21st" -> twenty first; "3.5" -> three point five; "3:30" -> three thirty."""
+    out: list[list[str]] = []
+    if digits[:1] in CURRENCY_SIGNS:
+        return [s + [CURRENCY_SIGNS[digits[0]]] for s in number_spellings(digits[1:])]
+    if digits.endswith("%"):
+        return [s + ["percent"] for s in number_spellings(digits[:-1])]
+    if m := re.fullmatch(r"(\d{1,2}):(\d{2})", digits):
+        hour, minute = int(m[1]), int(m[2])
+        said = _said(hour)
+        if minute == 0:
+            return [said + ["oclock"], said]
+        return [said + (["oh"] + _said(minute) if minute < 10 else _said(minute))]
+    if m := re.fullmatch(r"(\d+)(st|nd|rd|th)", digits, re.IGNORECASE):
+        return [_LETTERS.findall(num2words(int(m[1]), to="ordinal").lower())]
+    plain = digits.replace(",", "")
+    try:
+        value = Decimal(plain)
+    except InvalidOperation:
+        return [[digits.lower()]]
+    if not value.is_finite() or value >= 10**15:
+        return [[digits.lower()]]
+    spelled = _LETTERS.findall(num2words(value).lower())
+    out.append(spelled)
+    if "and" in spelled:
+        out.append([w for w in spelled if w != "and"])
+    if plain.isdigit() and len(plain) == 4 and "," not in digits:
+        out.append(_LETTERS.findall(num2words(int(plain), to="year").lower()))
+    return out
+
+
+def _said(value: int) -> list[str]:
+    return _LETTERS.findall(num2words(value).lower())
+
+
+@dataclass(frozen=True)
+class Form:
+    """One way a lattice span may be written: its words (keys), or a literal (digits, symbols) written as is."""
+
+    start: int  # the span of transcript units it stands for
+    end: int
+    words: tuple[str, ...] = ()  # word keys, each written in any casing, apostrophes free inside it
+    literal: str = ""  # written exactly ("$25", "3:30", "21st"), a word of its own
+
+    @property
+    def dropped(self) -> bool:
+        """Written as nothing: a filler, a word said again at once."""
+        return not self.words and not self.literal
+
+
+@dataclass
+class TranscriptLattice:
+    """The transcript's spoken units (word keys, in order) and the forms a caption may write them in."""
+
+    units: list[str]
+    forms: list[list[Form]] = field(default_factory=list)  # forms[i]: the forms that start at unit i
+
+    @classmethod
+    def of(cls, transcript: str, fillers: Iterable[str] = DEFAULT_FILLERS) -> TranscriptLattice:
+        tokens = transcript_tokens(transcript)
+        units = [word_key(t) for t in tokens]  # a number stays one unit, written as digits or in words
+        lattice = cls(units, [[] for _ in range(len(units) + 1)])
+        for i, token in enumerate(tokens):
+            if token[0].isdigit() or token[0] in CURRENCY_SIGNS:
+                lattice.forms[i] += [Form(i, i + 1, literal=token),
+                                     *(Form(i, i + 1, words) for said in _number_sayings(token)
+                                       for words in _casings(tuple(said)))]
+            else:  # the word as the transcript spells it: its apostrophes may stay or go, but come nowhere else
+                spelled = token.replace("\u2019", "'")
+                lattice.forms[i] += [Form(i, i + 1, words) for words in _casings((spelled,))]
+        lattice._add_numbers()
+        lattice._add_drops([f.split() for f in fillers])
+        return lattice
+
+    def _add_numbers(self) -> None:
+        """Digits for every run of number words they spell (checked by spelling the digits back)."""
+        units, seen = self.units, {(f.start, f.end, f.literal) for fs in self.forms for f in fs}
+        for start in range(len(units)):
+            for end in range(start + 1, min(len(units), start + MAX_NUMBER_WORDS) + 1):
+                if units[end - 1] not in _NUMBER_WORDS:
+                    break
+                for literal in _digits_for(units[start:end]):
+                    for text, stop in _with_units(literal, units, end):
+                        if (start, stop, text) not in seen:
+                            seen.add((start, stop, text))
+                            self.forms[start].append(Form(start, stop, literal=text))
+
+    @property
+    def said(self) -> list[list[str]]:
+        """Each unit as said, in word keys (a number: its first spelling)."""
+        return [next((list(f.words) for f in fs if f.words and f.end == i + 1), [u])
+                for i, (u, fs) in enumerate(zip(self.units, self.forms, strict=False))]
+
+    def _add_drops(self, fillers: list[list[str]]) -> None:
+        """Empty forms: a filler (a word or a phrase of the list), a word said again at once."""
+        units = self.units
+        for i in range(len(units)):
+            for filler in fillers:
+                if filler and units[i : i + len(filler)] == filler:
+                    self.forms[i].append(Form(i, i + len(filler)))
+            if i + 1 < len(units) and units[i] == units[i + 1]:
+                self.forms[i].append(Form(i, i + 1))
+
+
+def _casings(words: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The casings a caption may give words: as the transcript wrote them, lower case, a capital first letter
+    (a sentence's start), all capitals. Not letter by letter: "aboVe" is no word's casing."""
+    lower = tuple(w.lower() for w in words)
+    capital = (lower[0][:1].upper() + lower[0][1:], *lower[1:])
+    upper = tuple(w.upper() for w in words)
+    return list(dict.fromkeys([words, lower, capital, upper]))
+
+
+def _number_sayings(token: str) -> list[list[str]]:
+    """A written number's spoken forms, and its digits with the unit in words ("$25" -> 25 dollars)."""
+    out = number_spellings(token)
+    if token[0] in CURRENCY_SIGNS:
+        out.append([token[1:], CURRENCY_SIGNS[token[0]]])
+    if token.endswith("%"):
+        out.append([token[:-1], "percent"])
+    return out
+
+
+def _digits_for(words: list[str]) -> list[str]:
+    """The digit forms that say exactly these number words: a cardinal, a decimal, a year, a time, an ordinal."""
+    out: list[str] = []
+    text = " ".join(words)
+    if "point" in words:
+        i = words.index("point")
+        whole = _cardinal(words[:i])
+        decimals = [_cardinal([w]) for w in words[i + 1 :]]
+        if whole is not None and decimals and all(d is not None and d < 10 for d in decimals):
+            out.append(f"{whole}.{''.join(str(d) for d in decimals)}")
+    elif (value := _cardinal(words)) is not None:
+        out.append(str(value))
+        if value >= 10_000:
+            out.append(f"{value:,}")
+    if len(words) >= 2 and "and" not in words:  # "nineteen eighty four", "three thirty", "ten oh five"
+        for cut in range(1, len(words)):
+            high, low = _cardinal(words[:cut]), _cardinal(words[cut:] if words[cut] != "oh" else words[cut + 1 :])
+            if high is None or low is None:
+                continue
+            if words[cut] == "oh" and low < 10:
+                out += [f"{high}:{low:02d}"] if 1 <= high <= 12 else []
+                continue
+            if 10 <= high <= 99 and 10 <= low <= 99:
+                out.append(f"{high}{low:02d}")  # a year
+            if 1 <= high <= 12 and 10 <= low <= 59:
+                out.append(f"{high}:{low:02d}")  # a time
+    return [d for d in dict.fromkeys(out) if any(s == words for s in number_spellings(d)) or _says(d, text)]
+
+
+def _says(digits: str, text: str) -> bool:
+    return any(" ".join(s) == text for s in number_spellings(digits))
+
+
+def _cardinal(words: list[str]) -> int | None:
+    if not words or words[0] == "and" or words[-1] == "and" or "point" in words or "oh" in words:
+        return None
+    try:
+        value = text2num(" ".join(words), "en")
+    except ValueError:
+        return None
+    return value if any(s == words for s in number_spellings(str(value))) else None
+
+
+def _with_units(literal: str, units: list[str], end: int) -> list[tuple[str, int]]:
+    """A number's digits alone, and with the unit said after it: "$25" for twenty five dollars, "25%"."""
+    out = [(literal, end)]
+    after = units[end] if end < len(units) else ""
+    if after in CURRENCY_WORDS and ":" not in literal:
+        out.append((CURRENCY_WORDS[after] + literal, end + 1))
+    if after == "percent":
+        out.append((literal + "%", end + 1))
+    if after == "oclock" and ":" not in literal:
+        out.append((literal + ":00", end + 1))
+    return out
+
+
+# -- the automaton over bytes ---------------------------------------------------------------------------------
+
+# Between two words a caption may write punctuation in this order: closing marks after the word, one space,
+# opening marks before the next word; a dash may stand on its own or join two words ("well—I", "twenty-five").
+CLOSING = frozenset(".,;:!?\"')\u2026\u201d\u2019")
+OPENING = frozenset("\"'(\u201c\u2018")
+DASHES = frozenset("-\u2013\u2014")
+SEPARATORS = CLOSING | OPENING | DASHES | {" "}
+# where a gap stands: at the caption's start, after a word or closing mark, after the space, after an opening
+# mark, after a dash
+START, CLOSE, SPACE, OPEN, DASH = range(5)
+
+# A state is one of:
+#   ("gap", unit, phase, marks written): between words, `unit` the next one to write;
+#   ("word", unit, form, word, characters written): inside word `word` of one of unit's forms;
+#   ("inner", unit, form, word): between two words of one form ("twenty five", "twenty-five"): a space or hyphen;
+#   ("literal", unit, form, bytes written): inside a number written as digits ("$25");
+#   ("bytes", the rest of a character's bytes, the state once they are read): inside a character.
+State = tuple
+
+
+class CaptionAutomaton:
+    """The faithful captions of one transcript, read a byte at a time (an NFA: a set of states)."""
+
+    def __init__(self, lattice: TranscriptLattice) -> None:
+        self.lattice = lattice
+        self.end = len(lattice.units)
+        self._next: dict[frozenset[State], dict[int, frozenset[State]]] = {}
+
+    def start(self) -> frozenset[State]:
+        return self._closure([("gap", 0, START, 0)])
+
+    def accepts(self, states: frozenset[State]) -> bool:
+        """The caption may end here: every unit written (or dropped), after a word or its closing marks."""
+        return any(s[0] == "gap" and s[1] == self.end and (s[2] == CLOSE or self.end == 0) for s in states)
+
+    def read(self, states: frozenset[State], data: bytes) -> frozenset[State]:
+        for byte in data:
+            if not states:
+                break
+            states = self.next_bytes(states).get(byte, frozenset())
+        return states
+
+    def next_bytes(self, states: frozenset[State]) -> dict[int, frozenset[State]]:
+        """Every byte some state allows, and the states it leads to."""
+        known = self._next.get(states)
+        if known is not None:
+            return known
+        moves: dict[int, list[State]] = {}
+        for state in states:
+            if state[0] == "bytes":
+                moves.setdefault(state[1][0], []).append(("bytes", state[1][1:], state[2]))
+                continue
+            for char, target in self._moves(state):
+                data = char.encode()
+                moves.setdefault(data[0], []).append(target if len(data) == 1 else ("bytes", data[1:], target))
+        out = self._next[states] = {byte: self._closure(targets) for byte, targets in moves.items()}
+        return out
+
+    def _moves(self, state: State) -> list[tuple[str, State]]:
+        """A state's moves, a character at a time (`next_bytes` splits a character into its bytes)."""
+        kind = state[0]
+        if kind == "gap":
+            return self._gap_moves(*state[1:])
+        if kind == "inner":
+            _, unit, f, w = state
+            return [(c, ("word", unit, f, w, 0)) for c in " -"]
+        if kind == "literal":
+            _, unit, f, got = state
+            literal = self.lattice.forms[unit][f].literal
+            return [(literal[got], ("literal", unit, f, got + 1))] if got < len(literal) else []
+        _, unit, f, w, c = state
+        word = self.lattice.forms[unit][f].words[w]
+        if c >= len(word):
+            return []
+        chars = "'\u2019" if word[c] == "'" else word[c]
+        return [(ch, ("word", unit, f, w, c + 1)) for ch in chars]
+
+    def _gap_moves(self, unit: int, phase: int, marks: int) -> list[tuple[str, State]]:
+        """Punctuation in its order and a word's first character; past the last word, closing marks only (no
+        state is a dead end: from each, some caption goes on to its end)."""
+        moves: list[tuple[str, State]] = []
+        if phase == CLOSE and marks < MAX_MARKS:
+            moves += [(c, ("gap", unit, CLOSE, marks + 1)) for c in CLOSING]
+        if unit == self.end:
+            return moves
+        if phase in (CLOSE, DASH):
+            moves.append((" ", ("gap", unit, SPACE, marks)))
+        if marks < MAX_MARKS:
+            if phase in (START, SPACE, OPEN):
+                moves += [(c, ("gap", unit, OPEN, marks + 1)) for c in OPENING]
+            if phase in (CLOSE, SPACE):
+                moves += [(c, ("gap", unit, DASH, marks + 1)) for c in DASHES]
+        if phase != CLOSE:  # a word starts (never straight after another)
+            for f, form in enumerate(self.lattice.forms[unit]):
+                if form.literal:
+                    moves.append((form.literal[0], ("literal", unit, f, 1)))
+                elif form.words:
+                    moves += self._moves(("word", unit, f, 0, 0))
+        return moves
+
+    def _closure(self, states: Iterable[State]) -> frozenset[State]:
+        """States as they settle: a character's bytes read, a word, literal or form written, an apostrophe left
+        out, a dropped form (a filler, a repeated word) skipped."""
+        out: set[State] = set()
+        todo = list(states)
+        while todo:
+            state = todo.pop()
+            if state in out:
+                continue
+            kind = state[0]
+            if kind == "bytes" and not state[1]:
+                todo.append(state[2])
+                continue
+            if kind == "word":
+                _, unit, f, w, c = state
+                form = self.lattice.forms[unit][f]
+                word = form.words[w]
+                if c < len(word) and word[c] == "'":
+                    todo.append(("word", unit, f, w, c + 1))
+                if c == len(word):
+                    todo.append(("inner", unit, f, w + 1) if w + 1 < len(form.words) else ("gap", form.end, CLOSE, 0))
+                    continue
+            elif kind == "literal":
+                _, unit, f, got = state
+                form = self.lattice.forms[unit][f]
+                if got == len(form.literal):
+                    todo.append(("gap", form.end, CLOSE, 0))
+                    continue
+            elif kind == "gap" and state[1] < self.end:
+                _, unit, phase, marks = state
+                todo += [("gap", form.end, phase, marks) for form in self.lattice.forms[unit] if form.dropped]
+            out.add(state)
+        return frozenset(out)
+
+
+# -- the automaton over a tokenizer's tokens ------------------------------------------------------------------
+
+class VocabularyTrie:
+    """A tokenizer's tokens as a trie of their bytes, so the tokens an automaton allows are found by walking
+    only the bytes it allows (a few hundred nodes a step), not by testing 49,152 tokens."""
+
+    def __init__(self, token_bytes: dict[int, bytes]) -> None:
+        self.root: dict = {}
+        for token, data in token_bytes.items():
+            if not data:
+                continue
+            node = self.root
+            for byte in data:
+                node = node.setdefault(byte, {})
+            node.setdefault(None, []).append(token)
+
+    @classmethod
+    def of(cls, tokenizer: object) -> VocabularyTrie:
+        """One trie per tokenizer, built once (about a second for a 49k vocabulary)."""
+        trie = _TRIES.get(tokenizer)
+        if trie is None:
+            trie = _TRIES[tokenizer] = cls(token_bytes(tokenizer))
+        return trie
+
+
+_TRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, inverted: the printable character that stands for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, n = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+def token_bytes(tokenizer: object) -> dict[int, bytes]:
+    """Each ordinary token's bytes: byte-level BPE (GPT-2, Llama 3, SmolLM, Qwen) or SentencePiece (a "▁" for
+    a space, "<0x0A>" byte tokens). Special tokens get none: a caption never contains them."""
+    vocab: dict[str, int] = tokenizer.get_vocab()  # type: ignore[attr-defined]
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    decoder = _byte_decoder()
+    byte_level = sum(all(ch in decoder for ch in piece) for piece in vocab) > 0.9 * len(vocab)
+    out: dict[int, bytes] = {}
+    for piece, token in vocab.items():
+        if token in special:
+            continue
+        if byte_level:
+            if all(ch in decoder for ch in piece):
+                out[token] = bytes(decoder[ch] for ch in piece)
+        elif m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
+            out[token] = bytes([int(m[1], 16)])
+        elif not (piece.startswith("<") and piece.endswith(">")):
+            out[token] = piece.replace("\u2581", " ").encode()
+    return out
+
+
+class TokenConstraint:
+    """The caption automaton of one transcript over a tokenizer's tokens: at each step, the tokens that keep the
+    caption faithful (and the end-of-sequence tokens once it may end), as a mask on the target's logits."""
+
+    def __init__(self, transcript: str, tokenizer: object, eos_token_ids: Iterable[int],
+                 fillers: Iterable[str] = DEFAULT_FILLERS) -> None:
+        self.lattice = TranscriptLattice.of(transcript, fillers)
+        self.automaton = CaptionAutomaton(self.lattice)
+        self.trie = VocabularyTrie.of(tokenizer)
+        self.eos = tuple(sorted(eos_token_ids))
+        self._allowed: dict[frozenset[State], dict[int, frozenset[State]]] = {}
+
+    def start(self) -> frozenset[State]:
+        return self.automaton.start()
+
+    def allowed(self, states: frozenset[State]) -> dict[int, frozenset[State]]:
+        """The tokens allowed after `states`, each with the states it leads to (an end token: to no state)."""
+        if states not in self._allowed:
+            out: dict[int, frozenset[State]] = {}
+            self._walk(self.trie.root, states, out)
+            if self.automaton.accepts(states) or not out:  # (not out: no state here has a way on; never so)
+                out.update((token, frozenset()) for token in self.eos)
+            self._allowed[states] = out
+        return self._allowed[states]
+
+    def _walk(self, node: dict, states: frozenset[State], out: dict[int, frozenset[State]]) -> None:
+        for byte, after in self.automaton.next_bytes(states).items():
+            child = node.get(byte)
+            if child is None:
+                continue
+            for token in child.get(None, ()):
+                out[token] = after
+            self._walk(child, after, out)
+
+    def advance(self, states: frozenset[State], tokens: Iterable[int]) -> frozenset[State]:
+        """The states after `tokens` (empty: a token the caption may not hold, or past its end)."""
+        for token in tokens:
+            states = self.allowed(states).get(token, frozenset()) if states else states
+        return states
+
+    def mask(self, logits: torch.Tensor, states: Sequence[frozenset[State]]) -> torch.Tensor:
+        """Logits [rows, V] with every token that row's states do not allow at -inf. A row with no states
+        follows a draft token the caption may not hold, which the pass rejects first: it may only end."""
+        out = logits.clone()
+        for row, row_states in enumerate(states):
+            allowed = self.allowed(row_states) if row_states else dict.fromkeys(self.eos)
+            keep = torch.tensor(sorted(allowed), dtype=torch.long, device=logits.device)
+            masked = torch.full_like(out[row], float("-inf"))
+            masked[keep] = out[row, keep]
+            out[row] = masked
+        return out
+
+
+# -- the independent check ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CaptionFaults:
+    """What a caption changed in its transcript beyond the allowed edits."""
+
+    unsaid: list[str]  # the caption's words nobody said (inserted, or standing for other words)
+    dropped: list[str]  # the transcript's words the caption left out (fillers and repetitions excepted)
+
+
+def caption_faults(transcript: str, caption: str, fillers: Iterable[str] = DEFAULT_FILLERS) -> CaptionFaults:
+    """Align the caption's words with the transcript's (a numbers' digits with the words they spell, in any of
+    their spellings; fillers and immediate repetitions free to drop) at the least count of faults.
+
+    This is a check of a finished caption by dynamic programming over words, written apart from the automaton
+    (which it tests): it does not read the lattice's forms, only the spellings of numbers.
+    """
+    said, written = transcript_tokens(transcript), transcript_tokens(caption)
+    said_keys = [_sayings(t) for t in said]
+    written_keys = [_sayings(t) for t in written]
+    droppable = _droppable(said, [f.split() for f in fillers])
+    n, m = len(written), len(said)
+    inf = (1 << 30, 0)
+    # best[i][j]: (faults, -matched) aligning written[:i] with said[:j]; back[i][j]: where it came from
+    best = [[inf] * (m + 1) for _ in range(n + 1)]
+    back: list[list[tuple[int, int, str]]] = [[(0, 0, "")] * (m + 1) for _ in range(n + 1)]
+    best[0][0] = (0, 0)
+    for i in range(n + 1):
+        for j in range(m + 1):
+            here = best[i][j]
+            if here == inf:
+                continue
+
+            moves: list[tuple[int, int, int, int, str]] = []  # (to i, to j, faults, words matched, how)
+            if i < n:
+                moves.append((i + 1, j, 1, 0, "unsaid"))
+            if j < m:
+                moves += [(i, j + length, 0, 0, "free") for length in droppable.get(j, ())]
+                moves.append((i, j + 1, 1, 0, "dropped"))
+            moves += [(i + a, j + b, 0, a, "match") for a, b in _spans(written, said, i, j)
+                      if _same_words(written_keys[i : i + a], said_keys[j : j + b])]
+            for a, b, cost, matched, how in moves:
+                score = (here[0] + cost, here[1] - matched)
+                if score < best[a][b]:
+                    best[a][b], back[a][b] = score, (i, j, how)
+    unsaid: list[str] = []
+    dropped: list[str] = []
+    i, j = n, m
+    while i or j:
+        pi, pj, how = back[i][j]
+        if how == "unsaid":
+            unsaid.insert(0, written[pi])
+        elif how == "dropped":
+            dropped.insert(0, said[pj])
+        i, j = pi, pj
+    return CaptionFaults(unsaid, dropped)
+
+
+def unsaid_words(transcript: str, caption: str, fillers: Iterable[str] = DEFAULT_FILLERS) -> list[str]:
+    """The caption's words that are not the transcript's after the allowed edits; [] for a faithful caption."""
+    return caption_faults(transcript, caption, fillers).unsaid
+
+
+def _sayings(token: str) -> list[tuple[str, ...]]:
+    """A token's spoken forms as word keys: a word its own key; a number each of its spellings."""
+    if token[0].isdigit() or token[0] in CURRENCY_SIGNS:
+        return [tuple(s) for s in number_spellings(token)]
+    return [(word_key(token),)]
+
+
+def _droppable(said: list[str], fillers: list[list[str]]) -> dict[int, list[int]]:
+    """Where the transcript may lose words for free, and how many: a filler (or filler phrase), a repetition."""
+    keys = [word_key(t) for t in said]
+    out: dict[int, list[int]] = {}
+    for j in range(len(keys)):
+        lengths = [len(f) for f in fillers if f and keys[j : j + len(f)] == f]
+        if j + 1 < len(keys) and keys[j] == keys[j + 1]:
+            lengths.append(1)
+        if lengths:
+            out[j] = lengths
+    return out
+
+
+def _spans(written: list[str], said: list[str], i: int, j: int) -> Iterable[tuple[int, int]]:
+    """The (caption words, transcript words) spans worth comparing at (i, j): one for one, and where a number
+    stands on either side, up to `MAX_NUMBER_WORDS` words against one or a few."""
+    if i >= len(written) or j >= len(said):
+        return ()
+    numeric = [_is_numeric(written[i]), _is_numeric(said[j])]
+    if not any(numeric):
+        return ((1, 1),)
+    return ((a, b) for a in range(1, min(MAX_NUMBER_WORDS, len(written) - i) + 1)
+            for b in range(1, min(MAX_NUMBER_WORDS, len(said) - j) + 1) if a <= 2 or b <= 2)
+
+
+def _is_numeric(token: str) -> bool:
+    return token[0].isdigit() or token[0] in CURRENCY_SIGNS or word_key(token) in _NUMBER_WORDS
+
+
+def _same_words(left: list[list[tuple[str, ...]]], right: list[list[tuple[str, ...]]]) -> bool:
+    """Some spelling of the left tokens, joined, is some spelling of the right ones."""
+    return bool(_joined(left) & _joined(right))
+
+
+def _joined(tokens: list[list[tuple[str, ...]]]) -> set[tuple[str, ...]]:
+    out: set[tuple[str, ...]] = {()}
+    for sayings in tokens:
+        out = {a + b for a in out for b in sayings}
+    return out
+
+
+# -- the transcript as the draft ------------------------------------------------------------------------------
+
+class TranscriptDrafter:
+    """A caption's drafter: the transcript's own next tokens, as the ASR wrote them, from wherever the caption
+    has got to. A caption is mostly the transcript again, so a pass of the target verifies many of them; the
+    draft never leaves the automaton, and the end token is drafted once the transcript is written.
+
+    A point mass (no q): under seeded sampling the committed token at each position is the target's own
+    draw (pipeline/llm/sampling.py), so a seeded caption is the same with this drafter as with none.
+    """
+
+    name = "transcript"
+    model_free = True
+
+    def __init__(self, constraint: TokenConstraint, transcript: str, tokenizer: object, prompt_len: int) -> None:
+        self.constraint, self.tokenizer, self.prompt_len = constraint, tokenizer, prompt_len
+        spans = [m.span() for m in _TOKEN.finditer(transcript)]
+        self._text = transcript
+        self._unit_start = [s for s, _ in spans] + [len(transcript.rstrip())]
+        self._unit_end = [e for _, e in spans]
+        units = constraint.lattice.units
+        # the transcript's tokens with what follows each, a word said twice at once written once (as models do)
+        self._pieces = ["" if k + 1 < len(units) and units[k] == units[k + 1] else
+                        transcript[self._unit_start[k] : self._unit_start[k + 1]] for k in range(len(units))]
+        self._seen: list[int] = []
+        self._states = constraint.start()
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        states = self._states_after(context[self.prompt_len :])
+        if not states or k < 1:
+            return EMPTY
+        rest = self._remainder(states)
+        draft: list[int] = []
+        ids = self.tokenizer.encode(rest, add_special_tokens=False) if rest else []  # type: ignore[attr-defined]
+        for token in ids[:k]:
+            after = self.constraint.allowed(states).get(token)
+            if not after:
+                break
+            draft.append(token)
+            states = after
+        if len(draft) == len(ids) and len(draft) < k and self.constraint.automaton.accepts(states):
+            draft.append(self.constraint.eos[0])
+        return Draft(tuple(draft), match=len(draft))
+
+    def commit(self, context: Sequence[int]) -> None:
+        pass
+
+    def _states_after(self, reply: Sequence[int]) -> frozenset[State]:
+        """The automaton's states after the reply so far (advanced from the last call's, where it goes on)."""
+        if list(reply[: len(self._seen)]) != self._seen:
+            self._seen, self._states = [], self.constraint.start()
+        self._states = self.constraint.advance(self._states, reply[len(self._seen) :])
+        self._seen = list(reply)
+        return self._states
+
+    def _remainder(self, states: frozenset[State]) -> str:
+        """The transcript's text from where the caption stands: inside a word, its rest; after a word, what the
+        ASR wrote after it; after punctuation or a space of the caption's own, the next word (with a space)."""
+        best = ""
+        lattice = self.constraint.lattice
+        for state in states:
+            kind, unit = state[0], state[1]
+            if kind == "word" and state[3] == 0:  # inside a word: its rest, then what the ASR wrote after it
+                form = lattice.forms[unit][state[2]]
+                text = form.words[0][state[4] :] + self._after_unit(form.end)
+            elif kind == "literal":  # inside a number's digits: their rest, then what follows its words
+                form = lattice.forms[unit][state[2]]
+                text = form.literal[state[3] :] + self._after_unit(form.end)
+            elif kind == "gap" and state[2] == CLOSE:  # after a word: the ASR's punctuation, or a space of ours
+                text = (" " + self._after(unit)) if state[3] or unit == 0 else self._after_unit(unit)
+            elif kind == "gap":
+                text = self._after(unit)
+            else:
+                continue
+            if len(text) > len(best):
+                best = text
+        return best.rstrip()
+
+    def _after(self, unit: int) -> str:
+        """The transcript from unit on."""
+        return "".join(self._pieces[unit:])
+
+    def _after_unit(self, end: int) -> str:
+        """What the transcript wrote after unit end - 1: its punctuation, then the units from `end` on."""
+        if end == 0 or end > len(self._unit_end):
+            return ""
+        return self._text[self._unit_end[end - 1] : self._unit_start[end]] + self._after(end)
+
