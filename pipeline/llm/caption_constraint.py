@@ -47,6 +47,18 @@ _NUMBER_WORDS = frozenset(
     "zero oh one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
     "seventeen eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety hundred thousand million "
     "billion and point".split())
+_ORDINALS = {"first": "one", "second": "two", "third": "three", "fifth": "five", "eighth": "eight", "ninth": "nine",
+             "twelfth": "twelve"}  # the rest drop "th" ("fourth"), or "ieth" for "y" ("twentieth")
+
+
+def _cardinal_of_ordinal(word: str) -> str | None:
+    if word in _ORDINALS:
+        return _ORDINALS[word]
+    if word.endswith("ieth") and word[:-4] + "y" in _NUMBER_WORDS:
+        return word[:-4] + "y"
+    if word.endswith("th") and word[:-2] in _NUMBER_WORDS:
+        return word[:-2]
+    return None
 
 
 def word_key(word: str) -> str:
@@ -146,7 +158,7 @@ class TranscriptLattice:
         units, seen = self.units, {(f.start, f.end, f.literal) for fs in self.forms for f in fs}
         for start in range(len(units)):
             for end in range(start + 1, min(len(units), start + MAX_NUMBER_WORDS) + 1):
-                if units[end - 1] not in _NUMBER_WORDS:
+                if units[end - 1] not in _NUMBER_WORDS and _cardinal_of_ordinal(units[end - 1]) is None:
                     break
                 for literal in _digits_for(units[start:end]):
                     for text, stop in _with_units(literal, units, end):
@@ -194,7 +206,12 @@ def _digits_for(words: list[str]) -> list[str]:
     """The digit forms that say exactly these number words: a cardinal, a decimal, a year, a time, an ordinal."""
     out: list[str] = []
     text = " ".join(words)
-    if "point" in words:
+    if (cardinal := _cardinal_of_ordinal(words[-1])) is not None:  # "twenty first" -> 21st
+        value = _cardinal([*words[:-1], cardinal])
+        if value is not None:
+            suffix = "th" if 10 <= value % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(value % 10, "th")
+            out.append(f"{value}{suffix}")
+    elif "point" in words:
         i = words.index("point")
         whole = _cardinal(words[:i])
         decimals = [_cardinal([w]) for w in words[i + 1 :]]

@@ -83,8 +83,7 @@ def reply_request(config: Any, session_id: str, turn_id: str, user_text: str, sp
     budget = turn_budget(config, speech_end_unix_ms)
     if mode == "caption":
         return llm_pb.ReplyRequest(session_id=session_id, turn_id=turn_id, user_text=user_text,
-                                   task=llm_pb.ReplyRequest.CAPTION, drafter=config.drafter,
-                                   max_new_tokens=config.max_reply_tokens, budget=budget)
+                                   task=llm_pb.ReplyRequest.CAPTION, budget=budget)  # its drafter: the transcript
     request = llm_pb.ReplyRequest(
         session_id=session_id, turn_id=turn_id, user_text=user_text, task=llm_pb.ReplyRequest.DIALOGUE,
         defer_history=True, max_new_tokens=config.max_reply_tokens, drafter=config.drafter,

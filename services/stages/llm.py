@@ -23,7 +23,8 @@ from google.protobuf import json_format
 from pipeline.llm.batch import BatchedDecoder, BatchScheduler
 from pipeline.llm.budget import BudgetOptions, BudgetPolicy, Plan, PromptChoice, TurnBudget
 from pipeline.llm.end_of_turn import EndOfTurnScorer
-from pipeline.llm.engine import DecodeStep, GenerationRequest, Generator
+from pipeline.llm.caption_cleaner import caption_request
+from pipeline.llm.engine import TRANSCRIPT, DecodeStep, GenerationRequest, Generator
 from pipeline.llm.model import LoadedModel, load_model
 from pipeline.llm.options import SamplingOptions
 from pipeline.llm.prompts import DEFAULT_PERSONA, Exchange, Task, fit_history
@@ -311,18 +312,27 @@ class LlmServicer(pb_grpc.LlmServicer):
             recorded = await self.turns.plan(request.turn_id, "llm", json.dumps({
                 "prompt": list(generation.prompt_ids), "max_new_tokens": generation.max_new_tokens,
                 "drafter": generation.drafter, "max_draft_tokens": generation.max_draft_tokens,
-                "degradations": list(plan.degradations)}))
+                "caption_of": generation.caption_of, "degradations": list(plan.degradations)}))
         kept = json.loads(recorded)
         generation = GenerationRequest(
             tuple(kept["prompt"]), kept["max_new_tokens"], kept["drafter"], _sampling(request.sampling),
             max_draft_tokens=kept["max_draft_tokens"], adaptive_draft=options.adaptive_draft,
-            draft_branches=options.draft_branches, stop_strings=tuple(request.stop), session_key=request.session_id)
+            draft_branches=options.draft_branches if not kept.get("caption_of") else 0,
+            stop_strings=tuple(request.stop), session_key=request.session_id, caption_of=kept.get("caption_of", ""))
         self.generator.check(generation)
         return generation, tuple(kept["degradations"])
 
     async def _plan(self, request, session: dict[str, str]) -> tuple[GenerationRequest, Plan]:
-        """The request as planned now against the turn's budget."""
+        """The request as planned now against the turn's budget. A caption is not planned down: its length
+        is its transcript's, and it is held to the transcript's words (pipeline/llm/caption_constraint.py)
+        whatever the caller asks: no request reaches an unconstrained rewrite."""
         task = TASKS.get(request.task, Task.DIALOGUE)
+        if task is Task.CAPTION:
+            generation = caption_request(self.generator, request.user_text, request.drafter or TRANSCRIPT,
+                                         _sampling(request.sampling), self.settings.llm.max_draft_tokens,
+                                         session_key=request.session_id)
+            self.generator.check(generation)
+            return generation, Plan(generation.drafter, generation.max_new_tokens, generation.max_draft_tokens)
         history = await self.sessions.history(request.session_id) if task is Task.DIALOGUE else ()
         persona = request.system_prompt or session.get("system_prompt") or DEFAULT_PERSONA
         options = self.settings.llm

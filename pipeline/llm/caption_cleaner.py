@@ -1,0 +1,84 @@
+"""A transcript cleaned into a caption by the target, held to the transcript's words (caption_constraint.py)
+and drafted from the transcript itself; several transcripts share each verification pass (batch.py).
+
+The one way specvox turns a transcript into a caption text, for the llm stage's caption turns and for files
+(pipeline/file_captions.py): there is no unconstrained rewrite to reach.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pipeline.llm.batch import BatchedDecoder
+from pipeline.llm.engine import TRANSCRIPT, GenerationRequest, GenerationStats, Generator
+from pipeline.llm.options import SamplingOptions
+from pipeline.llm.prompts import Task, chat_messages, encode_chat
+
+CAPTION_TOKENS_PER_TOKEN = 2  # a caption's token limit per transcript token: digits and punctuation add some
+CAPTION_EXTRA_TOKENS = 16
+
+
+def caption_token_limit(tokenizer: object, transcript: str) -> int:
+    """Room for any faithful caption of `transcript` the model is likely to write (a longer one is cut, and a
+    cut caption still says nothing that was not said)."""
+    ids = tokenizer.encode(transcript, add_special_tokens=False)  # type: ignore[attr-defined]
+    return CAPTION_TOKENS_PER_TOKEN * len(ids) + CAPTION_EXTRA_TOKENS
+
+
+def caption_request(generator: Generator, transcript: str, drafter: str = TRANSCRIPT,
+                    sampling: SamplingOptions = SamplingOptions(), max_draft_tokens: int = 8,
+                    session_key: str = "") -> GenerationRequest:
+    """The request that writes `transcript`'s caption: the caption prompt, a token limit from the transcript,
+    and the transcript as the constraint (`caption_of`)."""
+    tokenizer = generator.loaded.tokenizer
+    prompt = encode_chat(tokenizer, chat_messages(Task.CAPTION, transcript))
+    return GenerationRequest(tuple(prompt), caption_token_limit(tokenizer, transcript), drafter, sampling,
+                             max_draft_tokens=max_draft_tokens, session_key=session_key, caption_of=transcript)
+
+
+@dataclass(frozen=True)
+class CleanedCaption:
+    text: str
+    stats: GenerationStats | None  # tokens, verify passes, accepted drafts (None: an empty transcript)
+
+
+class CaptionCleaner:
+    """Captions of transcripts, one at a time or `max_batch_size` to a verification pass."""
+
+    def __init__(self, generator: Generator, drafter: str = TRANSCRIPT,
+                 sampling: SamplingOptions = SamplingOptions(), max_batch_size: int = 8) -> None:
+        self.generator, self.drafter, self.sampling = generator, drafter, sampling
+        self.max_batch_size = max_batch_size
+
+    def request(self, transcript: str) -> GenerationRequest:
+        return caption_request(self.generator, transcript, self.drafter, self.sampling)
+
+    def clean(self, transcript: str) -> CleanedCaption:
+        return self.clean_many([transcript])[0]
+
+    def clean_many(self, transcripts: Sequence[str]) -> list[CleanedCaption]:
+        """Each transcript's caption, in order; up to `max_batch_size` decoded together (a pass reads the
+        weights once for all its rows)."""
+        out: dict[int, CleanedCaption] = {i: CleanedCaption("", None) for i, t in enumerate(transcripts)
+                                          if not t.strip()}
+        todo = [i for i in range(len(transcripts)) if i not in out]
+        if self.max_batch_size == 1:
+            for i in todo:
+                steps = list(self.generator.steps(self.request(transcripts[i])))
+                out[i] = CleanedCaption("".join(s.text_delta for s in steps).strip(), steps[-1].stats)
+            return [out[i] for i in range(len(transcripts))]
+        batch = BatchedDecoder(self.generator, self.max_batch_size)
+        texts: dict[int, list[str]] = {}
+        rows: dict[int, int] = {}  # id(decoder) -> transcript index
+        while todo or batch.active:
+            while todo and batch.room > 0:
+                i = todo.pop(0)
+                rows[id(batch.add(self.request(transcripts[i])))] = i
+                texts[i] = []
+            for row, step in batch.step():
+                i = rows[id(row)]
+                texts[i].append(step.text_delta)
+                if step.finish_reason:
+                    out[i] = CleanedCaption("".join(texts[i]).strip(), step.stats)
+        return [out[i] for i in range(len(transcripts))]
