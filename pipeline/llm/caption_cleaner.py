@@ -15,7 +15,7 @@ from pipeline.llm.engine import TRANSCRIPT, GenerationRequest, GenerationStats, 
 from pipeline.llm.options import SamplingOptions
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 
-CAPTION_TOKENS_PER_TOKEN = 2  # a caption's token limit per transcript token: digits and punctuation add some
+CAPTION_TOKENS_PER_TOKEN = 4  # a caption's token limit per transcript token: digits and marks between words (", “") add some
 CAPTION_EXTRA_TOKENS = 16
 
 
