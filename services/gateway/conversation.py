@@ -158,6 +158,7 @@ class Conversation:
         self._expecting_backchannels = False
         self._words_to_prepare: str | None = None  # the newest partial's words, for the llm to prefill
         self._preparing_words = False
+        self._provisional_words: dict[int, int] = {}  # caption mode: utterance -> its committed words shown
         metrics.track_conversation(self)
 
     def now_s(self) -> float:
@@ -250,6 +251,8 @@ class Conversation:
             self._keep_transcript(event)
             if self.config.mode != Config.CAPTION and not event.speech_ending and event.text.strip():
                 self._prepare_words(event.text)
+            if self.config.mode == Config.CAPTION:
+                self._provisional_caption(event)
             # The pass at the first silence is the one the final reuses (asr_stream), so its words,
             # committed or not, are the final's if the silence lasts: the reply may start from them.
             stable = self.settings.preemptive_generation and event.speech_ending and bool(event.text.strip())
@@ -258,6 +261,15 @@ class Conversation:
             self._keep_transcript(event)
             words = tuple((w.text, w.probability) for w in event.words)
             await self.handle(Final(event.utterance_index, event.text, words))
+
+    def _provisional_caption(self, partial: Any) -> None:
+        """Caption mode: the utterance's committed words, each time more of them are committed (words, once
+        committed, are not taken back: asr_stream's LocalAgreement)."""
+        committed = list(partial.words[: partial.committed_words])
+        if committed and len(committed) > self._provisional_words.get(partial.utterance_index, 0):
+            self._provisional_words[partial.utterance_index] = len(committed)
+            caption = convert.provisional_caption(partial.utterance_index, committed)
+            self.sink.put_nowait(pb.ServerEvent(caption=caption))
 
     def _keep_transcript(self, event: Any) -> None:
         self.finals[event.utterance_index] = event
@@ -526,6 +538,8 @@ class Conversation:
                 pass
             text = " ".join(work.reply_text.split()) or work.user_text
             caption = convert.caption(text, list(work.transcript.words), self.config)
+            caption.utterance_index = work.transcript.utterance_index
+            self._provisional_words.pop(caption.utterance_index, None)
             work.clock.emitted()
             self.sink.put_nowait(pb.ServerEvent(turn_id=work.turn_id, caption=caption))
         except TurnFailed as e:

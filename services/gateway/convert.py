@@ -72,6 +72,15 @@ def caption(text: str, words: list, config: Any) -> Any:
         srt=srt_document(lines) if Config.SRT in formats else "")
 
 
+def provisional_caption(utterance_index: int, committed_words: list) -> Any:
+    """The words the ASR has committed so far in an utterance, timed as spoken (they are not cleaned yet)."""
+    cues = [Cue(w.start_s, w.end_s, w.text.strip()) for w in committed_words]
+    text = " ".join(c.text for c in cues)
+    return pb.Caption(text=text, cues=[caption_cue(c) for c in cues],
+                      lines=[caption_cue(c) for c in caption_lines(cues)], provisional=True,
+                      utterance_index=utterance_index)
+
+
 def turn_budget(config: Any, speech_end_unix_ms: int) -> Any:
     return common.TurnBudget(budget_ms=config.budget_ms, speech_end_unix_ms=speech_end_unix_ms,
                              deadline_unix_ms=speech_end_unix_ms + config.budget_ms)

@@ -374,6 +374,26 @@ async def test_a_caption_turn_cleans_the_transcript_and_places_it_on_the_input_t
     assert not w.conversation.work and not w.conversation.machine.captions  # over through the machine
 
 
+def partial(utterance: int, text: str, committed: int) -> Any:
+    ws = words(text)
+    return asr_pb.TranscriptEvent(kind=KIND.PARTIAL, utterance_index=utterance, text=text, words=ws,
+                                  committed_words=committed, speech_start_s=ws[0].start_s, speech_end_s=ws[-1].end_s,
+                                  committed_text=" ".join(text.split()[:committed]))
+
+
+async def test_live_captions_show_committed_words_until_the_cleaned_caption_replaces_them(wired):
+    w = wired(config=pb.SessionConfig(mode=Config.CAPTION))
+    await w.hear(kind_only(KIND.SPEECH_STARTED), partial(0, "um the meeting", 0), partial(0, "um the meeting is", 2),
+                 partial(0, "um the meeting is at", 2), partial(0, "um the meeting is at ten", 4))
+    live = [c for c in w.client.of("caption") if c.provisional]
+    assert [c.text for c in live] == ["um the", "um the meeting is"]  # once per newly committed word, never back
+    assert all(c.utterance_index == 0 for c in live) and live[1].cues[2].start_s == pytest.approx(1.6)
+    await w.hear(final(0, "um the meeting is at ten"))
+    await w.clock.advance(0.2)
+    cleaned = [c for c in w.client.of("caption") if not c.provisional]
+    assert [c.text for c in cleaned] == ["The meeting is at 10."] and cleaned[0].utterance_index == 0
+
+
 async def test_a_failed_caption_is_reported_and_the_conversation_goes_on(wired):
     turns = FakeTurns()
     turns.fail_reply = "llm: the prompt is too long"
