@@ -651,9 +651,13 @@ class TranscriptDrafter:
                         transcript[self._unit_start[k] : self._unit_start[k + 1]] for k in range(len(units))]
         self._seen: list[int] = []
         self._states = constraint.start()
+        self._drafted: list[int] = []  # the last draft
+        self._streak = 0  # tokens the caption has written in step with the drafts, since it last left them
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
-        states = self._states_after(context[self.prompt_len :])
+        reply = context[self.prompt_len :]
+        self._follow(reply[len(self._seen) :] if list(reply[: len(self._seen)]) == self._seen else [])
+        states = self._states_after(reply)
         if not states or k < 1:
             return EMPTY
         rest = self._remainder(states)
@@ -667,7 +671,18 @@ class TranscriptDrafter:
             states = after
         if len(draft) == len(ids) and len(draft) < k and self.constraint.automaton.accepts(states):
             draft.append(self.constraint.eos[0])
-        return Draft(tuple(draft), match=len(draft))
+        self._drafted = draft
+        # the confidence the draft length is chosen by (draft_length.MatchAcceptance): how long the caption has
+        # kept to the transcript, as a suffix drafter's match length says how long its copy has held
+        return Draft(tuple(draft), match=max(1, self._streak))
+
+    def _follow(self, committed: Sequence[int]) -> None:
+        """The streak after a step that committed `committed`: it grows while the caption takes the drafts."""
+        kept = 0
+        while kept < min(len(committed), len(self._drafted)) and committed[kept] == self._drafted[kept]:
+            kept += 1
+        if committed:
+            self._streak = self._streak + len(committed) if kept >= min(len(committed), len(self._drafted)) else 0
 
     def commit(self, context: Sequence[int]) -> None:
         pass
