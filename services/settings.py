@@ -106,6 +106,9 @@ class Settings(BaseSettings):
     token_timeout_s: float = 30.0
     # Start a turn from a stable partial before the final; dropped if the final differs.
     preemptive_generation: bool = True
+    # Caption mode: a session's utterances being captioned at once; later ones wait their turn (each holds
+    # a Redis connection while it reads its token log, and a file sent unpaced brings hundreds at once).
+    caption_turns_per_session: int = 4
 
     asr: AsrOptions = AsrOptions()
     llm: LlmOptions = LlmOptions()

@@ -11,11 +11,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pipeline.llm.batch import BatchedDecoder
-from pipeline.llm.engine import TRANSCRIPT, GenerationRequest, GenerationStats, Generator
+from pipeline.llm.engine import TRANSCRIPT, DecodeStep, GenerationRequest, GenerationStats, Generator
 from pipeline.llm.options import SamplingOptions
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 
-CAPTION_TOKENS_PER_TOKEN = 4  # a caption's token limit per transcript token: digits and marks between words (", “") add some
+# a caption's token limit per transcript token: digits and the marks between words (", “") add some
+CAPTION_TOKENS_PER_TOKEN = 4
 CAPTION_EXTRA_TOKENS = 16
 
 
@@ -41,6 +42,7 @@ def caption_request(generator: Generator, transcript: str, drafter: str = TRANSC
 class CleanedCaption:
     text: str
     stats: GenerationStats | None  # tokens, verify passes, accepted drafts (None: an empty transcript)
+    cut: bool = False  # the token limit cut the caption: `text` is the transcript as it was
 
 
 class CaptionCleaner:
@@ -66,7 +68,7 @@ class CaptionCleaner:
         if self.max_batch_size == 1:
             for i in todo:
                 steps = list(self.generator.steps(self.request(transcripts[i])))
-                out[i] = CleanedCaption("".join(s.text_delta for s in steps).strip(), steps[-1].stats)
+                out[i] = _cleaned(transcripts[i], "".join(s.text_delta for s in steps), steps[-1])
             return [out[i] for i in range(len(transcripts))]
         batch = BatchedDecoder(self.generator, self.max_batch_size)
         texts: dict[int, list[str]] = {}
@@ -80,5 +82,11 @@ class CaptionCleaner:
                 i = rows[id(row)]
                 texts[i].append(step.text_delta)
                 if step.finish_reason:
-                    out[i] = CleanedCaption("".join(texts[i]).strip(), step.stats)
+                    out[i] = _cleaned(transcripts[i], "".join(texts[i]), step)
         return [out[i] for i in range(len(transcripts))]
+
+
+def _cleaned(transcript: str, caption: str, last: DecodeStep) -> CleanedCaption:
+    """The caption, or where its token limit cut it (and so lost the words after the cut), the transcript."""
+    text = transcript if last.finish_reason == "length" else caption
+    return CleanedCaption(" ".join(text.split()), last.stats, last.finish_reason == "length")

@@ -8,8 +8,8 @@ say them ("twenty five dollars" -> "$25", and back). Nothing else: no word inser
 - `TranscriptLattice`: the transcript as its tokens and, between token boundaries, the written forms each
   span may take (its words as said, a number's digits, an empty form for a filler or a repeated word).
 - `CaptionAutomaton`: a nondeterministic automaton over the caption's UTF-8 bytes that accepts exactly the
-  faithful captions: words of the lattice's forms in one of four casings, between words closing marks, a
-  space, opening marks (at most `MAX_MARKS`), the end only when every word was written.
+  faithful captions: words of the lattice's forms in one of four casings, between words punctuation in
+  prose's order (at most `MAX_MARKS` marks), the end only when every word was written.
 - `TokenConstraint`: the automaton lifted to a tokenizer's tokens (a walk of a byte trie of the vocabulary),
   so a decoding step masks every token that leaves it. Applied to the target's logits alike in plain decoding
   and in speculative verification, the committed tokens are the constrained target's, whatever drafted them.
@@ -146,6 +146,9 @@ class TranscriptLattice:
                 lattice.forms[i] += [Form(i, i + 1, literal=token),
                                      *(Form(i, i + 1, words) for said in _number_sayings(token)
                                        for words in _casings(tuple(said)))]
+                if token[0].isdigit() and not token.endswith("%"):  # "25,000 dollars" -> "$25,000"
+                    lattice.forms[i] += [Form(i, stop, literal=text) for text, stop in _with_units(token, units, i + 1)
+                                         if stop > i + 1]
             else:  # the word as the transcript spells it: its apostrophes may stay or go, but come nowhere else
                 spelled = token.replace("\u2019", "'")
                 lattice.forms[i] += [Form(i, i + 1, words) for words in _casings((spelled,))]
@@ -265,15 +268,19 @@ def _with_units(literal: str, units: list[str], end: int) -> list[tuple[str, int
 
 # -- the automaton over bytes ---------------------------------------------------------------------------------
 
-# Between two words a caption may write punctuation in this order: closing marks after the word, one space,
-# opening marks before the next word; a dash may stand on its own or join two words ("well—I", "twenty-five").
-CLOSING = frozenset(".,;:!?\"')\u2026\u201d\u2019")
-OPENING = frozenset("\"'(\u201c\u2018")
+# Between two words a caption may write punctuation as prose does: after the word, a clause mark (",;:") or a
+# sentence's end (".", "?!", "..."), a closing quote or bracket, then one space; after the space an opening quote
+# or bracket, or a dash standing between spaces (" — "); a hyphen may join two words ("well-known").
+CLAUSE = frozenset(",;:")
+SENTENCE = frozenset(".!?\u2026")
+CLOSERS = frozenset("\"')\u201d\u2019")
+OPENERS = frozenset("\"'(\u201c\u2018")
 DASHES = frozenset("-\u2013\u2014")
-SEPARATORS = CLOSING | OPENING | DASHES | {" "}
-# where a gap stands: at the caption's start, after a word or closing mark, after the space, after an opening
-# mark, after a dash
-START, CLOSE, SPACE, OPEN, DASH = range(5)
+SEPARATORS = CLAUSE | SENTENCE | CLOSERS | OPENERS | DASHES | {" "}
+# where a gap stands: the caption's start, just after a word, after a mark, after a closing quote, after the
+# space, after an opening quote, after a spaced dash, after the space that follows it, after a joining hyphen
+START, CLOSE, PUNCT, QUOTE, SPACE, OPEN, DASH, AFTER_DASH, JOIN = range(9)
+ENDS = (CLOSE, PUNCT, QUOTE)  # where the caption may end, once every word is written
 
 # A state is one of:
 #   ("gap", unit, phase, marks written): between words, `unit` the next one to write;
@@ -285,11 +292,19 @@ State = tuple
 
 
 class CaptionAutomaton:
-    """The faithful captions of one transcript, read a byte at a time (an NFA: a set of states)."""
+    """The faithful captions of one transcript, read a byte at a time (an NFA: a set of states).
 
-    def __init__(self, lattice: TranscriptLattice) -> None:
+    Quotes, brackets and dashes come only where the transcript has some: a small model otherwise wraps word
+    after word in them ('“CAN”, “You”, “TELL”') until its token limit, which a caption's few marks never reach.
+    """
+
+    def __init__(self, lattice: TranscriptLattice, transcript: str = "") -> None:
         self.lattice = lattice
         self.end = len(lattice.units)
+        written = set(transcript)
+        self.closers = CLOSERS & written
+        self.openers = OPENERS & written
+        self.dashes = (DASHES - {"-"}) & written | ({"-"} if " - " in transcript else set())
         self._next: dict[frozenset[State], dict[int, frozenset[State]]] = {}
 
     def start(self) -> frozenset[State]:
@@ -297,7 +312,7 @@ class CaptionAutomaton:
 
     def accepts(self, states: frozenset[State]) -> bool:
         """The caption may end here: every unit written (or dropped), after a word or its closing marks."""
-        return any(s[0] == "gap" and s[1] == self.end and (s[2] == CLOSE or self.end == 0) for s in states)
+        return any(s[0] == "gap" and s[1] == self.end and (s[2] in ENDS or self.end == 0) for s in states)
 
     def read(self, states: frozenset[State], data: bytes) -> frozenset[State]:
         for byte in data:
@@ -342,21 +357,28 @@ class CaptionAutomaton:
         return [(ch, ("word", unit, f, w, c + 1)) for ch in chars]
 
     def _gap_moves(self, unit: int, phase: int, marks: int) -> list[tuple[str, State]]:
-        """Punctuation in its order and a word's first character; past the last word, closing marks only (no
-        state is a dead end: from each, some caption goes on to its end)."""
+        """Punctuation in prose's order (see SEPARATORS) and a word's first character; past the last word,
+        closing marks only. No state is a dead end: from each, some caption goes on to its end."""
         moves: list[tuple[str, State]] = []
-        if phase == CLOSE and marks < MAX_MARKS:
-            moves += [(c, ("gap", unit, CLOSE, marks + 1)) for c in CLOSING]
+        room = marks < MAX_MARKS
+        if room and phase in (CLOSE, PUNCT, QUOTE):
+            marks_here = (CLAUSE | SENTENCE) if phase != PUNCT else SENTENCE  # "?!", "...", not ",,"
+            moves += [(c, ("gap", unit, PUNCT, marks + 1)) for c in marks_here]
+            if phase != QUOTE:
+                moves += [(c, ("gap", unit, QUOTE, marks + 1)) for c in self.closers]
         if unit == self.end:
             return moves
-        if phase in (CLOSE, DASH):
+        if phase in (CLOSE, PUNCT, QUOTE):
             moves.append((" ", ("gap", unit, SPACE, marks)))
-        if marks < MAX_MARKS:
-            if phase in (START, SPACE, OPEN):
-                moves += [(c, ("gap", unit, OPEN, marks + 1)) for c in OPENING]
-            if phase in (CLOSE, SPACE):
-                moves += [(c, ("gap", unit, DASH, marks + 1)) for c in DASHES]
-        if phase != CLOSE:  # a word starts (never straight after another)
+        if phase == CLOSE:
+            moves.append(("-", ("gap", unit, JOIN, marks + 1)))
+        if phase == DASH:
+            moves.append((" ", ("gap", unit, AFTER_DASH, marks)))
+        if room and phase in (START, SPACE, AFTER_DASH):
+            moves += [(c, ("gap", unit, OPEN, marks + 1)) for c in self.openers]
+        if room and phase == SPACE:
+            moves += [(c, ("gap", unit, DASH, marks + 1)) for c in self.dashes]
+        if phase in (START, SPACE, OPEN, AFTER_DASH, JOIN):  # a word starts
             for f, form in enumerate(self.lattice.forms[unit]):
                 if form.literal:
                     moves.append((form.literal[0], ("literal", unit, f, 1)))
@@ -468,7 +490,7 @@ class TokenConstraint:
     def __init__(self, transcript: str, tokenizer: object, eos_token_ids: Iterable[int],
                  fillers: Iterable[str] = DEFAULT_FILLERS) -> None:
         self.lattice = TranscriptLattice.of(transcript, fillers)
-        self.automaton = CaptionAutomaton(self.lattice)
+        self.automaton = CaptionAutomaton(self.lattice, transcript)
         self.trie = VocabularyTrie.of(tokenizer)
         self.eos = tuple(sorted(eos_token_ids))
         self._allowed: dict[frozenset[State], dict[int, frozenset[State]]] = {}
@@ -708,8 +730,10 @@ class TranscriptDrafter:
             elif kind == "literal":  # inside a number's digits: their rest, then what follows its words
                 form = lattice.forms[unit][state[2]]
                 text = form.literal[state[3] :] + self._after_unit(form.end)
-            elif kind == "gap" and state[2] == CLOSE:  # after a word: the ASR's punctuation, or a space of ours
-                text = (" " + self._after(unit)) if state[3] or unit == 0 else self._after_unit(unit)
+            elif kind == "gap" and state[2] == CLOSE and unit > 0:  # just after a word: the ASR's punctuation
+                text = self._after_unit(unit)
+            elif kind == "gap" and state[2] in ENDS:  # after marks of the caption's own: a space, the next word
+                text = " " + self._after(unit)
             elif kind == "gap":
                 text = self._after(unit)
             else:

@@ -159,6 +159,7 @@ class Conversation:
         self._words_to_prepare: str | None = None  # the newest partial's words, for the llm to prefill
         self._preparing_words = False
         self._provisional_words: dict[int, int] = {}  # caption mode: utterance -> its committed words shown
+        self._caption_slots = asyncio.Semaphore(max(1, settings.caption_turns_per_session))
         metrics.track_conversation(self)
 
     def now_s(self) -> float:
@@ -531,12 +532,15 @@ class Conversation:
         """The transcript cleaned by the llm, each caption word placed on the input's timeline; the
         turn ends through the machine (CaptionDone)."""
         try:
-            work.llm_queued = True
-            await self.turns.start_reply(work.turn_id, convert.reply_request(
-                self.config, self.session_id, work.turn_id, work.user_text, work.speech_end_unix_ms, "caption"))
-            async for _ in self._reply_pieces(work, "caption"):
-                pass
-            text = " ".join(work.reply_text.split()) or work.user_text
+            async with self._caption_slots:
+                work.llm_queued = True
+                await self.turns.start_reply(work.turn_id, convert.reply_request(
+                    self.config, self.session_id, work.turn_id, work.user_text, work.speech_end_unix_ms, "caption"))
+                async for _ in self._reply_pieces(work, "caption"):
+                    pass
+            # a caption cut at its token limit would lose the words after the cut: the transcript says them all
+            cut = work.finish_reason == "length"
+            text = " ".join((work.user_text if cut else work.reply_text).split()) or work.user_text
             caption = convert.caption(text, list(work.transcript.words), self.config)
             caption.utterance_index = work.transcript.utterance_index
             self._provisional_words.pop(caption.utterance_index, None)

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline.caption_style import broadcast_cues
 from pipeline.captions import (
     Cue,
     align_caption,
-    caption_lines,
-    cues_from_words,
     srt_document,
     webvtt_block,
     webvtt_document,
@@ -38,7 +37,8 @@ def client_input(message: Any) -> ClientInput:
 
 
 def caption_cue(c: Cue) -> Any:
-    return common.CaptionCue(start_s=c.start_s, end_s=c.end_s, text=c.text, webvtt=webvtt_block(c))
+    """A cue as the protos carry it: a broadcast cue's lines joined by a line break."""
+    return common.CaptionCue(start_s=c.start_s, end_s=c.end_s, text="\n".join(c.shown_lines), webvtt=webvtt_block(c))
 
 
 def speech_cue(cue: Any) -> Any:
@@ -51,7 +51,7 @@ def speech_cue(cue: Any) -> Any:
 
 def transcript(event: Any, final: bool) -> Any:
     """An asr TranscriptEvent as the gateway's Transcript (a final with its word cues)."""
-    cues = [caption_cue(c) for c in cues_from_words(event.words)] if final else []
+    cues = [caption_cue(c) for c in broadcast_cues([event.words])] if final else []
     return pb.Transcript(
         is_final=final, text=event.text, words=event.words, speech_start_s=event.speech_start_s,
         speech_end_s=event.speech_end_s, committed_text=event.committed_text,
@@ -64,7 +64,7 @@ def caption(text: str, words: list, config: Any) -> Any:
     """The cleaned text placed on the input's timeline by the ASR's word times, in cue lines and
     the documents the session asked for."""
     cues = align_caption(text, words)
-    lines = caption_lines(cues)
+    lines = broadcast_cues([cues])
     formats = set(config.caption_formats)
     return pb.Caption(
         text=text, cues=[caption_cue(c) for c in cues], lines=[caption_cue(c) for c in lines],
@@ -77,7 +77,7 @@ def provisional_caption(utterance_index: int, committed_words: list) -> Any:
     cues = [Cue(w.start_s, w.end_s, w.text.strip()) for w in committed_words]
     text = " ".join(c.text for c in cues)
     return pb.Caption(text=text, cues=[caption_cue(c) for c in cues],
-                      lines=[caption_cue(c) for c in caption_lines(cues)], provisional=True,
+                      lines=[caption_cue(c) for c in broadcast_cues([cues])], provisional=True,
                       utterance_index=utterance_index)
 
 
