@@ -447,9 +447,9 @@ class Generator:
     def guard_for(self, request: GenerationRequest, drafter: Drafter) -> DraftGuard | None:
         """The guard of the request's drafter, shared by its requests on the single path; None where
         γ is not the engine's to choose (a fixed draft length, seeded sampling) or nothing drafts."""
-        if drafter.name == "none" or not request.adaptive_draft or (
+        if drafter.name in ("none", TRANSCRIPT) or not request.adaptive_draft or (
                 request.sampling.seed is not None and not request.sampling.greedy):
-            return None
+            return None  # (a transcript's draft is what a caption mostly is: its γ follows the streak alone)
         return self.guards.setdefault(_measured_as(request, drafter), DraftGuard(judges_rate=not drafter.model_free))
 
     def branch_worth_for(self, request: GenerationRequest, drafter: Drafter) -> BranchWorth | None:
