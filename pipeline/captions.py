@@ -1,9 +1,11 @@
-"""Caption cues, written as WebVTT and SRT with webvtt-py: the reply's phrases and words, the user's words, and
-(caption mode) the LLM's cleaned caption of the user's words, aligned to the ASR's word times."""
+"""Caption cues, written as WebVTT (with webvtt-py), SRT and JSON: the reply's phrases and words, the user's words,
+and (caption mode) the LLM's cleaned caption of the user's words, aligned to the ASR's word times. Broadcast-style
+cues (lines, reading speed, durations) are cut by `pipeline.caption_style.broadcast_cues`."""
 
 from __future__ import annotations
 
 import io
+import json
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -22,6 +24,13 @@ class Cue:
     start_s: float
     end_s: float
     text: str
+    lines: tuple[str, ...] = ()  # the text as shown, line by line (broadcast_cues); (): `text` on one line
+    words: tuple[Cue, ...] = ()  # the words shown, each with the time it was spoken
+    utterance: int = 0  # the utterance it shows, by its index in the input (a new cue at each change)
+
+    @property
+    def shown_lines(self) -> tuple[str, ...]:
+        return self.lines or (self.text,)
 
 
 def vtt_timestamp(seconds: float) -> str:
@@ -32,24 +41,52 @@ def vtt_timestamp(seconds: float) -> str:
     return f"{h:02d}:{m:02d}:{s:02d}.{ms:03d}"
 
 
+def srt_timestamp(seconds: float) -> str:
+    return vtt_timestamp(seconds).replace(".", ",")
+
+
 def caption_text(text: str) -> str:
-    """WebVTT cue text may hold neither blank lines nor the timing arrow."""
+    """One line of cue text: no line breaks, blank lines or timing arrow, which would end the cue or start
+    another in WebVTT and SRT alike."""
     return " ".join(text.split()).replace("-->", "->")
 
 
+def _document_lines(cue: Cue) -> list[str]:
+    return [line for line in (caption_text(x) for x in cue.shown_lines) if line] or [""]
+
+
 def to_webvtt_caption(cue: Cue) -> webvtt.Caption:
-    return webvtt.Caption(vtt_timestamp(cue.start_s), vtt_timestamp(cue.end_s), caption_text(cue.text))
+    """The cue as webvtt-py's Caption, a line of text per shown line; "&" and "<" escaped, as WebVTT's cue text
+    requires (W3C WebVTT: they would start a character reference or a tag)."""
+    text = "\n".join(_vtt_escaped(line) for line in _document_lines(cue))
+    return webvtt.Caption(vtt_timestamp(cue.start_s), vtt_timestamp(cue.end_s), text)
+
+
+def _vtt_escaped(line: str) -> str:
+    return line.replace("&", "&amp;").replace("<", "&lt;")
 
 
 def webvtt_document(cues: Iterable[Cue]) -> str:
+    """A WebVTT document; no cues: the header alone, a valid empty document."""
     vtt = webvtt.WebVTT(captions=[to_webvtt_caption(c) for c in cues])
     return vtt.content
 
 
 def srt_document(cues: Iterable[Cue]) -> str:
+    """An SRT document: numbered cues, a line of text per shown line, a blank line after each; no cues: ""."""
     out = io.StringIO()
-    webvtt.WebVTT(captions=[to_webvtt_caption(c) for c in cues]).write(out, format="srt")
+    for n, cue in enumerate(cues, start=1):
+        out.write(f"{n}\n{srt_timestamp(cue.start_s)} --> {srt_timestamp(cue.end_s)}\n")
+        out.write("\n".join(_document_lines(cue)) + "\n\n")
     return out.getvalue()
+
+
+def json_document(cues: Iterable[Cue]) -> str:
+    """{"cues": [{"start", "end", "lines", "words": [{"text", "start", "end"}]}]}, times in seconds to the ms."""
+    return json.dumps({"cues": [
+        {"start": round(c.start_s, 3), "end": round(c.end_s, 3), "lines": list(c.shown_lines),
+         "words": [{"text": w.text, "start": round(w.start_s, 3), "end": round(w.end_s, 3)} for w in c.words]}
+        for c in cues]}, ensure_ascii=False, indent=1) + "\n"
 
 
 @dataclass
@@ -71,7 +108,7 @@ class CaptionTrack:
 
 def webvtt_block(cue: Cue) -> str:
     caption = to_webvtt_caption(cue)
-    return f"{caption.start} --> {caption.end}\n{caption.text}\n"
+    return f"{caption.start} --> {caption.end}\n{caption.raw_text}\n"
 
 
 class TimedWord(Protocol):

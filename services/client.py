@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.audio import PcmFormat, read_wav, wav_bytes
+from pipeline.audio import PcmFormat, float_to_pcm16, read_wav, wav_bytes
 from pipeline.captions import Cue, srt_document, webvtt_document
 from pipeline.turn_taking import PlaybackClock
 from services.channels import message_size_options, open_channel
@@ -88,7 +88,9 @@ class TurnResult:
     resumes: list[str] = field(default_factory=list)  # their reasons
     interrupt: dict = field(default_factory=dict)
     audio_after_interrupt: int = 0  # chunks received after the interrupt (none should come)
-    caption: object | None = None  # caption mode: the Caption message
+    caption: object | None = None  # caption mode: the utterance's cleaned Caption
+    caption_unix_ms: int = 0  # caption mode: when it arrived
+    provisional_captions: list = field(default_factory=list)  # the ASR's words as they came, before it
     played_s: float = 0.0  # how far the loudspeaker played
 
     def reply_pcm(self) -> bytes:
@@ -317,7 +319,10 @@ def _record(turn: TurnResult, event, started_unix_s: float, speaker: Loudspeaker
                           "unix_ms": int(time.time() * 1000)}
         speaker.interrupt(turn.turn_id, now_s)
     elif kind == "caption":
-        turn.caption = event.caption
+        if event.caption.provisional:
+            turn.provisional_captions.append(event.caption)
+        else:
+            turn.caption, turn.caption_unix_ms = event.caption, int(time.time() * 1000)
     elif kind == "report":
         turn.report = report_dict(turn, event.report, started_unix_s)
 
@@ -379,3 +384,155 @@ def write_outputs(turns: list[TurnResult], out_dir: str) -> dict:
     (out / "user_captions.vtt").write_text(webvtt_document(turn.user_cues))
     (out / "report.json").write_text(json.dumps(turn.report, indent=2) + "\n")
     return turn.report
+
+
+# -- a file's captions through the gateway -------------------------------------------------
+
+FILE_SAMPLE_RATE_HZ = 16_000  # a file's audio goes out as 16 kHz mono s16le, decoded here (pipeline/media.py)
+FAST_CHUNK_S = 1.0  # not real time: audio a message
+# Not real time, the client holds back while this many caption turns are under way ...
+CAPTIONS_IN_FLIGHT = 8
+# ... or while it has sent this much audio past the end of the last speech the asr has transcribed ...
+AUDIO_LEAD_S = 30.0
+# ... unless nothing has come back for this long with no caption under way (the asr is in a long
+# silence: its audio has no transcripts to show for it), which lets another AUDIO_LEAD_S go out.
+STALL_S = 1.0
+
+
+@dataclass
+class GatewayCaptions:
+    """What a caption session made of a file: each utterance's `Caption`, in the input's order."""
+
+    session_id: str = ""
+    captions: list = field(default_factory=list)  # gateway Caption messages
+    transcripts: list[str] = field(default_factory=list)  # the transcript each caption was made from
+    failed: list[dict] = field(default_factory=list)  # reports of caption turns that gave no caption
+    audio_s: float = 0.0  # of audio sent
+    sent_s: float = 0.0  # wall time until the last audio was sent
+    first_caption_s: float = 0.0  # until the first caption came
+    total_s: float = 0.0  # until the last caption came
+
+    def lines(self) -> list[Cue]:
+        """The caption lines (whole-line cues) of every utterance, on the file's timeline."""
+        return [Cue(c.start_s, c.end_s, c.text) for caption in self.captions for c in caption.lines]
+
+    def documents(self) -> dict[str, str]:
+        """captions.vtt, captions.srt and captions.json (each caption's text and word times) by file name."""
+        words = [{"transcript": transcript, "text": caption.text,
+                  "words": [{"text": c.text, "start": round(c.start_s, 3), "end": round(c.end_s, 3)}
+                            for c in caption.cues]}
+                 for transcript, caption in zip(self.transcripts, self.captions, strict=True)]
+        return {"captions.vtt": webvtt_document(self.lines()), "captions.srt": srt_document(self.lines()),
+                "captions.json": json.dumps({"session_id": self.session_id, "captions": words,
+                                             "cues": [{"start": c.start_s, "end": c.end_s, "text": c.text}
+                                                      for c in self.lines()]}, indent=1) + "\n"}
+
+
+class CaptionFlow:
+    """How far a file sent unpaced may run ahead of its captions.
+
+    The gateway takes audio as fast as it comes (the asr stage reads it into a queue of its own, not
+    bounded), and each final transcript starts a caption turn at once: a 10-minute file sent unpaced
+    gave ~170 caption turns at the same time, and the gateway failed the stream (UNAVAILABLE: its Redis
+    client's pool of 100 connections ran out, one held by each turn reading its token log). So the
+    client keeps at most `CAPTIONS_IN_FLIGHT` caption turns under way and at most `AUDIO_LEAD_S` of
+    audio beyond what the asr has shown it has transcribed: as fast as the stack captions, no faster.
+    """
+
+    def __init__(self) -> None:
+        self.turns: set[str] = set()  # caption turns under way (their final came, their report not yet)
+        self.heard_s = 0.0  # the end of the last speech transcribed (partials and finals), input timeline
+        self._changed = asyncio.Event()
+
+    def seen(self, event) -> None:
+        kind = event.WhichOneof("event")
+        if kind == "transcript":
+            self.heard_s = max(self.heard_s, event.transcript.speech_end_s)
+            if event.transcript.is_final and event.turn_id and event.transcript.text.strip():
+                self.turns.add(event.turn_id)  # an empty final starts no caption turn
+        elif kind == "report":
+            self.turns.discard(event.turn_id)
+        self._changed.set()
+
+    async def room(self, sent_s: float) -> None:
+        """Until there is room for more audio after `sent_s` seconds of it."""
+        while len(self.turns) >= CAPTIONS_IN_FLIGHT or sent_s - self.heard_s >= AUDIO_LEAD_S:
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), STALL_S)
+            except TimeoutError:
+                if not self.turns:  # silence at the asr: nothing to show for the audio sent
+                    self.heard_s = sent_s
+
+
+async def caption_file(address: str, path: str, options: ClientOptions = ClientOptions(),
+                       max_duration_s: float | None = None) -> GatewayCaptions:
+    """A media file (any kind `specvox captions` takes) streamed to the gateway in caption mode.
+
+    `options.realtime`: audio goes out as a microphone would send it, `chunk_ms` at a time; False
+    (`specvox client --caption --no-realtime`): as fast as the gateway takes it, a second of audio a
+    message, as gRPC's flow control lets them through. The gateway neither paces nor refuses fast audio:
+    it forwards each message to the asr's stream as it comes (its arrival clock only records when),
+    and a caption turn starts at each final transcript as in real time; so the client itself holds
+    back while enough captions are under way (`CaptionFlow`). The file is decoded as it is sent, so
+    an hour of it is never in memory at once.
+    """
+    from pipeline.media import DEFAULT_MAX_DURATION_S, MediaAudio
+
+    config = pb.SessionConfig()
+    if options.config is not None:
+        config.CopyFrom(options.config)
+    config.mode = pb.SessionConfig.CAPTION
+    result = GatewayCaptions()
+    by_turn: dict[str, object] = {}  # turn -> its Caption
+    finals: dict[str, str] = {}  # turn -> its transcript
+    flow = CaptionFlow()
+    t0 = time.monotonic()
+    with MediaAudio(path, DEFAULT_MAX_DURATION_S if max_duration_s is None else max_duration_s) as media:
+        async with open_channel(address, secret=options.api_key, tls=options.tls,
+                                options=message_size_options(options.max_message_bytes)) as channel:
+            stub = pb_grpc.GatewayStub(channel)
+            session_id = options.session_id or (await stub.CreateSession(
+                pb.CreateSessionRequest(config=config))).session_id
+            result.session_id = session_id
+            ready = asyncio.Event()
+
+            async def messages():
+                start = pb.StreamStart(session_id=session_id, format=common.AudioFormat(
+                    encoding=common.AudioFormat.PCM_S16LE, sample_rate_hz=FILE_SAMPLE_RATE_HZ, channels=1,
+                    sample_width_bytes=2))
+                if options.overrides is not None:
+                    start.overrides.CopyFrom(options.overrides)
+                yield pb.ClientMessage(start=start)
+                await ready.wait()
+                step = round((options.chunk_ms / 1000 if options.realtime else FAST_CHUNK_S) * FILE_SAMPLE_RATE_HZ)
+                started, sent = time.monotonic(), 0
+                for chunk in media.chunks():
+                    for i in range(0, chunk.size, step):
+                        piece = chunk[i : i + step]
+                        if options.realtime:
+                            await asyncio.sleep(max(0.0, started + sent / FILE_SAMPLE_RATE_HZ - time.monotonic()))
+                        else:
+                            await flow.room(sent / FILE_SAMPLE_RATE_HZ)
+                        yield pb.ClientMessage(audio=float_to_pcm16(piece))
+                        sent += piece.size
+                result.audio_s, result.sent_s = sent / FILE_SAMPLE_RATE_HZ, time.monotonic() - t0
+
+            async for event in stub.Converse(messages()):
+                flow.seen(event)
+                kind = event.WhichOneof("event")
+                if kind == "ready":
+                    ready.set()
+                elif kind == "transcript" and event.transcript.is_final:
+                    finals[event.turn_id] = event.transcript.text
+                elif kind == "caption" and not event.caption.provisional:  # provisional: words while spoken
+                    by_turn[event.turn_id] = event.caption
+                    result.first_caption_s = result.first_caption_s or time.monotonic() - t0
+                elif kind == "report" and event.turn_id not in by_turn:
+                    result.failed.append({"turn_id": event.turn_id, "finish_reason": event.report.finish_reason,
+                                          "transcript": event.report.transcript})
+    turns = sorted(by_turn, key=lambda t: by_turn[t].cues[0].start_s if by_turn[t].cues else 0.0)  # type: ignore
+    result.captions = [by_turn[t] for t in turns]
+    result.transcripts = [finals.get(t, "") for t in turns]
+    result.total_s = time.monotonic() - t0
+    return result

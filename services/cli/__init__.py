@@ -1,7 +1,7 @@
-"""The `specvox` command line: up, serve, client, say, demo, keys, health, generate, train-draft, bench.
+"""The `specvox` command line: up, serve, client, say, demo, captions, keys, health, generate, train-draft, bench.
 
 A table of subcommands: each is a `Command` (its name, help, arguments and run function) in a
-module of its family (services/cli/serve.py: up and serve; client.py: client and say; demo.py;
+module of its family (services/cli/serve.py: up and serve; client.py: client and say; demo.py; captions.py;
 admin.py: keys and health; llm.py: generate and train-draft; bench.py: `specvox bench NAME`,
 which imports bench/ by name, the one way from services/ to bench/). `main` builds the parser
 from the table, makes the settings and the logging, and runs the one asked for.
@@ -13,12 +13,12 @@ import argparse
 import os
 import sys
 
-from services.cli import admin, bench, client, demo, llm, serve
+from services.cli import admin, bench, captions, client, demo, llm, serve
 from services.cli.command import Command, UsageError
 from services.stack import StackDidNotStart
 
-COMMANDS: tuple[Command, ...] = (*serve.COMMANDS, *client.COMMANDS, *demo.COMMANDS, *admin.COMMANDS, *llm.COMMANDS,
-                                 *bench.COMMANDS)
+COMMANDS: tuple[Command, ...] = (*serve.COMMANDS, *client.COMMANDS, *demo.COMMANDS, *captions.COMMANDS, *admin.COMMANDS,
+                                 *llm.COMMANDS, *bench.COMMANDS)
 
 
 def parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:

@@ -158,7 +158,7 @@ class Conversation:
         self._expecting_backchannels = False
         self._words_to_prepare: str | None = None  # the newest partial's words, for the llm to prefill
         self._preparing_words = False
-        self._provisional_words: dict[int, int] = {}  # caption mode: utterance -> its committed words shown
+        self._provisional_words: dict[int, tuple[str, ...]] = {}  # caption mode: utterance -> committed words shown
         self._caption_slots = asyncio.Semaphore(max(1, settings.caption_turns_per_session))
         metrics.track_conversation(self)
 
@@ -264,11 +264,12 @@ class Conversation:
             await self.handle(Final(event.utterance_index, event.text, words))
 
     def _provisional_caption(self, partial: Any) -> None:
-        """Caption mode: the utterance's committed words, each time more of them are committed (words, once
-        committed, are not taken back: asr_stream's LocalAgreement)."""
+        """Caption mode: the utterance's committed words, each time they change (more of them, or, at the
+        partial that hears the speech end, the final's words in their place)."""
         committed = list(partial.words[: partial.committed_words])
-        if committed and len(committed) > self._provisional_words.get(partial.utterance_index, 0):
-            self._provisional_words[partial.utterance_index] = len(committed)
+        shown = tuple(w.text for w in committed)
+        if committed and shown != self._provisional_words.get(partial.utterance_index):
+            self._provisional_words[partial.utterance_index] = shown
             caption = convert.provisional_caption(partial.utterance_index, committed)
             self.sink.put_nowait(pb.ServerEvent(caption=caption))
 

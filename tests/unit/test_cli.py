@@ -14,7 +14,7 @@ from services.cli.bench import BENCHMARKS
 
 def test_each_subcommand_is_in_the_table_once():
     names = [c.name for c in COMMANDS]
-    assert sorted(names) == sorted({"up", "serve", "client", "say", "demo", "keys", "health", "generate",
+    assert sorted(names) == sorted({"up", "serve", "client", "say", "demo", "captions", "keys", "health", "generate",
                                     "train-draft", "bench"})
 
 
@@ -24,6 +24,10 @@ def test_each_subcommand_is_in_the_table_once():
     (["client", "--wav", "q.wav", "--no-realtime"], {"wav": "q.wav", "no_realtime": True, "out": "out/client"}),
     (["say", "hello", "--out", "a.wav"], {"text": "hello", "sample_rate": 16_000, "pad_s": 0.5}),
     (["demo"], {"wav": None, "out": "out/demo"}),
+    (["captions", "talk.mp4", "--out", "talk.srt"], {"input": "talk.mp4", "out": "talk.srt", "format": None,
+                                                      "max_duration_s": 3 * 3600, "cleaner": "llm", "quiet": False}),
+    (["client", "--file", "talk.mp4", "--caption", "--no-realtime"], {"wav": "talk.mp4", "caption": True,
+                                                                        "no_realtime": True}),
     (["keys", "revoke", "acme"], {"action": "revoke", "name": "acme"}),
     (["health", "gateway"], {"address": "gateway"}),
     (["generate", "--prompt", "hi", "--weights", "dense"], {"prompt": "hi", "weights": "dense", "max_new_tokens": 128}),
@@ -46,3 +50,14 @@ def test_each_benchmark_takes_its_own_arguments(name):
     assert name == "spec-plots" or "--json" in options
     with pytest.raises(SystemExit):
         bench_parser.parse_args(["--no-such-option"])
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["captions", "a.wav"], "vtt"), (["captions", "a.wav", "--out", "a.srt"], "srt"),
+    (["captions", "a.wav", "--out", "a.JSON"], "json"), (["captions", "a.wav", "--out", "a.txt"], "vtt"),
+    (["captions", "a.wav", "--out", "a.srt", "--format", "vtt"], "vtt"),
+])
+def test_the_caption_format_comes_from_format_then_the_out_extension(argv, expected):
+    from services.cli.captions import output_format
+
+    assert output_format(parser()[0].parse_args(argv)) == expected
