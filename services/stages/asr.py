@@ -36,6 +36,9 @@ common = load_common()  # AudioFormat, Word, StageTimes (specvox.common.v1)
 Kind = pb.TranscriptEvent.Kind
 END = object()
 MAX_PROMPT_CHARS = 400  # a Context's phrases in all: ~100 tokens, well inside whisper's 223
+# Client messages waiting for the listener (~10 s of 40 ms chunks); past it the reader waits, through gRPC's flow
+# control: a file sent unpaced had grown the stage by 260 MB in ten minutes of audio with no bound.
+AUDIO_QUEUE_MESSAGES = 256
 
 
 class WireAudioDecoder:
@@ -81,7 +84,7 @@ class AsrServicer(pb_grpc.AsrServicer):
             language = self.transcriber.check_language(config.language) if config.language else None
             recognizer = StreamingRecognizer(self.options, self.transcriber, language, self.cadence)
             yield pb.TranscriptEvent(kind=Kind.READY, emitted_unix_ms=now_ms())
-            chunks: asyncio.Queue = asyncio.Queue()
+            chunks: asyncio.Queue = asyncio.Queue(maxsize=AUDIO_QUEUE_MESSAGES)
             reader = asyncio.create_task(_read_audio(request_iterator, chunks, clock))
             try:
                 ended = False
@@ -109,20 +112,21 @@ class AsrServicer(pb_grpc.AsrServicer):
 
 async def _read_audio(request_iterator, chunks: asyncio.Queue, clock: StageClock) -> None:
     """Client audio (and contexts, as whisper's prompt) → queue, so that audio arriving during a
-    transcription pass is taken in one go."""
+    transcription pass is taken in one go. The queue is bounded: a client sending faster than the
+    stage hears (a file sent unpaced) waits, through gRPC's flow control, instead of filling memory."""
     try:
         async for request in request_iterator:
             kind = request.WhichOneof("payload")
             if kind == "context":
-                chunks.put_nowait(prompt_of(request.context))
+                await chunks.put(prompt_of(request.context))
                 continue
             if kind != "audio":
                 raise ValueError("only audio or a context may follow the stream's config message")
             clock.received()
-            chunks.put_nowait(request.audio)
-        chunks.put_nowait(END)
+            await chunks.put(request.audio)
+        await chunks.put(END)
     except Exception as e:  # noqa: BLE001 - raised again where the stream is answered
-        chunks.put_nowait(e)
+        await chunks.put(e)
 
 
 def prompt_of(context: pb.Context) -> str:
