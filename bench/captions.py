@@ -380,7 +380,8 @@ def judge_live(clip: BenchClip, results: list) -> dict:
 
     utterances = [Captioned(r.transcript, r.caption.text, [(c.text, c.start_s, c.end_s) for c in r.caption.cues])
                   for r in captioned]
-    lines = [Cue(c.start_s, c.end_s, c.text, utterance=k) for k, r in enumerate(captioned) for c in r.caption.lines]
+    lines = [Cue(c.start_s, c.end_s, " ".join(c.text.split("\n")), lines=tuple(c.text.split("\n")), utterance=k)
+             for k, r in enumerate(captioned) for c in r.caption.lines]  # a line cue's lines: its text's lines
     row = judge(clip, utterances, lines)
     failed = [r.report.get("finish_reason") for r in results if r.report and r.caption is None]
     return row | {"delay_ms_p50": percentile(delays, 50), "delay_ms_p95": percentile(delays, 95),

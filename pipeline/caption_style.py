@@ -13,8 +13,9 @@ Every rule is a `CueStyle` setting whose default is a public style guide's, read
   its noun, a preposition or a conjunction from what follows, a pronoun from its verb, the parts of a complex
   verb); 3.9 a long sentence segmented over subtitles at clause, then major phrase, boundaries; 3.10 timing
   matters more than line breaks; 5.1 a subtitle appears when its speech starts.
-- DCMP Captioning Key, "Line Division": never break a person's name or a title from it, nor a line after a
-  conjunction.
+- DCMP Captioning Key, "Line Division" (captioningkey.org; its list as Syracuse University's captioning
+  guidelines quote it): a sentence broken where speech pauses; never break a person's name or a title from it,
+  nor a line after a conjunction; never end a sentence and begin another on one line unless they are short.
 
 The order of precedence where rules conflict, highest first (`broadcast_cues` scores each way to cut an utterance
 into cues and lines by it, and takes the best):
@@ -25,7 +26,8 @@ into cues and lines by it, and takes the best):
 2. Layout: at most `max_lines` lines of at most `max_line_chars`. A word longer than a line takes a line of its
    own (reported by `style_violations`, never hidden).
 3. Maximum duration: a cue never shows longer than `max_duration_s`; words spoken over longer are cut into cues.
-4. A name or a number is never split over lines or cues (unless it cannot fit a line, or a cue).
+4. A name or a number is never split over lines or cues (unless it cannot fit a line, or a cue, or is said over
+   longer than a cue may show).
 5. Minimum duration and reading speed: a cue stays up after its last word as long as they need, up to the next
    cue's start less the frame gap; where that is not enough the utterance is cut differently (more or fewer words
    a cue); where nothing is enough (speech faster than the reading speed) the cue is reported.
@@ -225,9 +227,9 @@ def _adjective(word: str) -> bool:
 
 # Costs of a way to cut an utterance, by the order of precedence in the module's docstring.
 SPAN_OVER_MAX = 1e7  # words spoken over longer than a cue may show, in one cue
-UNIT_SPLIT = 1e5  # a name or a number split over lines (twice that over cues)
+UNIT_SPLIT = 1e5  # a name or a number split over lines (CUE_BREAK times that over cues)
 TIMING = 1e3  # under the minimum duration or over the reading speed: up to twice this by how far, so the least
-# bad wins, and never as much as a split name, however many cues
+# bad wins, and a cue's worst is far below a split name
 ARTICLE_BREAK = 50.0  # a break after an article
 LOOSE_BREAK = 20.0  # after a determiner, a preposition or a conjunction
 VERB_BREAK = 15.0  # a subject pronoun or an auxiliary from its verb, a verb from its negation
@@ -238,7 +240,9 @@ CLAUSE_BREAK = 1.0  # after a comma, a colon, a dash, or at a pause
 BALANCE = 4.0  # per line's width of difference between two lines' lengths (linguistics first: BBC 3.4)
 TOP_HEAVY = 1.0  # a top line longer than the one below
 PER_CUE = 3.0  # each cue: fewer, fuller cues where nothing else decides
+CUE_BREAK = 2.0  # a break between cues costs this many times one between lines: a cue is read apart (BBC 3.2, 3.9)
 PAUSE_MS = 500  # a pause this long between words counts as a clause boundary
+SENTENCE_INSIDE = 4.0  # a sentence of three words or more ending inside a line, another going on after it
 
 
 def break_cost(texts: Sequence[str], k: int, links: Sequence[str | None], pause_ms: int = 0) -> float:
@@ -335,18 +339,33 @@ def _layouts(widths: Sequence[int], max_lines: int, max_chars: int) -> Iterator[
     yield from rest(0, max_lines)
 
 
-def _best_lines(texts: Sequence[str], breaks: Sequence[float], style: CueStyle) -> tuple[float, list[int]] | None:
-    """The cheapest layout of the words (breaks[k]: a break after word k), or None where none fits."""
+def _best_lines(texts: Sequence[str], breaks: Sequence[float], inside: Sequence[float],
+                style: CueStyle) -> tuple[float, list[int]] | None:
+    """The cheapest layout of the words (breaks[k]: a break after word k; inside[k]: word k not at a line's end),
+    or None where none fits."""
     widths = [len(t) for t in texts]
     ends = [0, *accumulate(w + 1 for w in widths)]  # a line of words a..b-1 is ends[b] - ends[a] - 1 long
+    within = sum(inside[:-1])
     best: tuple[float, list[int]] | None = None
     for starts in _layouts(widths, style.max_lines, style.max_line_chars):
         bounds = [0, *starts, len(texts)]
         lengths = [ends[b] - ends[a] - 1 for a, b in pairwise(bounds)]
-        cost = sum(breaks[s - 1] for s in starts) + shape_cost(lengths, style.max_line_chars)
+        cost = sum(breaks[s - 1] - inside[s - 1] for s in starts) + within + shape_cost(lengths, style.max_line_chars)
         if best is None or cost < best[0]:
             best = (cost, starts)
     return best
+
+
+def _sentences_inside(texts: Sequence[str]) -> list[float]:
+    """What each word costs where a line goes on after it: a sentence of three words or more ending there (DCMP
+    Captioning Key, "Line Division": never end a sentence and begin another on one line unless they are short)."""
+    costs = [0.0] * len(texts)
+    begun = 0
+    for k, text in enumerate(texts):
+        if ends_sentence(text):
+            costs[k] = SENTENCE_INSIDE if k - begun + 1 > 2 else 0.0
+            begun = k + 1
+    return costs
 
 
 def _end_ms(start: int, chars: int, last_end: int, limit: int | None, style: CueStyle) -> int:
@@ -376,6 +395,7 @@ def _segment(words: list[_Word], limit: int | None, style: CueStyle, utterance: 
     n = len(words)
     links = unit_links(texts)
     breaks = [break_cost(texts, k, links, words[k + 1].start_ms - words[k].end_ms) for k in range(n - 1)]
+    inside = _sentences_inside(texts)
     gap = style._gap_ms
     best = [math.inf] * (n + 1)
     best[0] = 0.0
@@ -385,15 +405,15 @@ def _segment(words: list[_Word], limit: int | None, style: CueStyle, utterance: 
         for j in range(i, n):
             chars += len(texts[j]) + 1
             last_end = max(last_end, words[j].end_ms)
-            layout = _best_lines(texts[i:j + 1], breaks[i:j], style)
+            layout = _best_lines(texts[i:j + 1], breaks[i:j], inside[i:j + 1], style)
             if layout is None:
                 break
             start = words[i].start_ms
             cue_limit = words[j + 1].start_ms - gap if j + 1 < n else limit
             end = _end_ms(start, chars, last_end, cue_limit, style)
             cost = best[i] + layout[0] + _timing_cost(start, end, chars, last_end, style) + PER_CUE
-            if j + 1 < n:  # a unit split over cues costs more than over lines: one that fits a cue stays in it
-                cost += breaks[j] * (2 if links[j] else 1)
+            if j + 1 < n:  # a break costs more between cues than between lines (a name that fits a cue stays in it)
+                cost += breaks[j] * CUE_BREAK
             if cost < best[j + 1]:
                 best[j + 1] = cost
                 choice[j + 1] = (i, layout[1])

@@ -82,10 +82,13 @@ def srt_document(cues: Iterable[Cue]) -> str:
 
 
 def json_document(cues: Iterable[Cue]) -> str:
-    """{"cues": [{"start", "end", "lines", "words": [{"text", "start", "end"}]}]}, times in seconds to the ms."""
+    """{"cues": [{"start", "end", "lines", "words": [{"text", "start", "end"}], "utterance"}]}, times in seconds to
+    the ms; "utterance" (the cue's utterance, by its index in the input) lets a reader tell a cue break from an
+    utterance change (`pipeline.caption_style.find_violations` does)."""
     return json.dumps({"cues": [
         {"start": round(c.start_s, 3), "end": round(c.end_s, 3), "lines": list(c.shown_lines),
-         "words": [{"text": w.text, "start": round(w.start_s, 3), "end": round(w.end_s, 3)} for w in c.words]}
+         "words": [{"text": w.text, "start": round(w.start_s, 3), "end": round(w.end_s, 3)} for w in c.words],
+         "utterance": c.utterance}
         for c in cues]}, ensure_ascii=False, indent=1) + "\n"
 
 
@@ -123,7 +126,8 @@ class TimedWord(Protocol):
 
 
 def cues_from_words(words: Iterable[TimedWord], max_chars: int = 42, max_pause_s: float = 0.7) -> list[Cue]:
-    """Caption cues for spoken words: a new cue at a long pause or when a line would pass `max_chars`."""
+    """Caption cues for spoken words: a new cue at a long pause or when a line would pass `max_chars`. The plain
+    grouping, no style rules: `pipeline.caption_style.broadcast_cues` cuts the cues the services show."""
     cues: list[Cue] = []
     line: list[TimedWord] = []
     for word in words:

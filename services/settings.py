@@ -13,6 +13,7 @@ from pathlib import Path
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from pipeline.asr import AsrOptions
+from pipeline.caption_style import CueStyle
 from pipeline.llm.options import LlmOptions
 from pipeline.tts.backend import TtsOptions
 from pipeline.tts.phrases import PhraseOptions
@@ -115,6 +116,8 @@ class Settings(BaseSettings):
     tts: TtsOptions = TtsOptions()
     phrases: PhraseOptions = PhraseOptions()
     turn_taking: TurnTakingOptions = TurnTakingOptions()
+    # Broadcast-style caption cues: lines, reading speed, durations, the gap (pipeline/caption_style.py).
+    captions: CueStyle = CueStyle()
 
     @classmethod
     def settings_customise_sources(
