@@ -40,6 +40,7 @@ Times are whole milliseconds, the resolution of WebVTT and SRT; a word's time is
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Iterator, Sequence
@@ -551,3 +552,22 @@ def _break_violations(cues: Sequence[Cue], first: int, stop: int) -> list[Violat
         if 0 <= k < len(tokens) and bare(tokens[k]) in ARTICLES and not _ends_with_punctuation(tokens[k]):
             found.append(Violation("article break", n, f"a line ends with the article {tokens[k]!r}"))
     return found
+
+
+def placed_after(cues: Sequence[Cue], earliest_s: float, style: CueStyle = CueStyle()) -> list[Cue]:
+    """Live captions: one utterance's cues, made before the next utterance was heard, moved no earlier than
+    `earliest_s` (the last cue sent's end plus the gap), each kept apart from the one before it by the gap and
+    up for the minimum duration. A cue only ever moves later than its words were spoken, never earlier."""
+    out: list[Cue] = []
+    floor = earliest_s
+    for cue in cues:
+        start = _ceil_ms(max(cue.start_s, floor))
+        end = _ceil_ms(max(cue.end_s, start + style.min_duration_s))
+        out.append(dataclasses.replace(cue, start_s=start, end_s=end))
+        floor = end + style.min_gap_s
+    return out
+
+
+def _ceil_ms(seconds: float) -> float:
+    """Up to the next whole millisecond (WebVTT's and SRT's resolution), so no rounding eats into a gap."""
+    return math.ceil(seconds * 1000 - 1e-6) / 1000

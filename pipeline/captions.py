@@ -125,30 +125,6 @@ class TimedWord(Protocol):
     def end_s(self) -> float: ...
 
 
-def cues_from_words(words: Iterable[TimedWord], max_chars: int = 42, max_pause_s: float = 0.7) -> list[Cue]:
-    """Caption cues for spoken words: a new cue at a long pause or when a line would pass `max_chars`. The plain
-    grouping, no style rules: `pipeline.caption_style.broadcast_cues` cuts the cues the services show."""
-    cues: list[Cue] = []
-    line: list[TimedWord] = []
-    for word in words:
-        text = " ".join(w.text.strip() for w in [*line, word])
-        if line and (len(text) > max_chars or word.start_s - line[-1].end_s > max_pause_s):
-            cues.append(_cue(line))
-            line = []
-        line.append(word)
-    return cues + ([_cue(line)] if line else [])
-
-
-def _cue(words: list[TimedWord]) -> Cue:
-    return Cue(words[0].start_s, max(words[-1].end_s, words[0].start_s), " ".join(w.text.strip() for w in words))
-
-
-def caption_lines(word_cues: Iterable[Cue], max_chars: int = 42, max_gap_s: float = 0.7) -> list[Cue]:
-    """Caption lines from word cues (align_caption's): cues_from_words' rule, so ordered, non-overlapping word
-    cues give ordered, non-overlapping lines, each from its first word's start to its last word's end."""
-    return cues_from_words(word_cues, max_chars=max_chars, max_pause_s=max_gap_s)
-
-
 # Caption mode: the LLM's cleaned caption of a final transcript, each of its words timed from the ASR words it
 # aligns to. Times are whole milliseconds inside (WebVTT's and SRT's resolution), so order and non-overlap are exact.
 

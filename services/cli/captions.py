@@ -24,7 +24,6 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 FORMATS = ("vtt", "srt", "json")  # pipeline.file_captions.FORMATS, without loading the pipeline to parse
 DEFAULT_MAX_DURATION_S = 3 * 3600  # pipeline.media.DEFAULT_MAX_DURATION_S
 CLEANERS = ("llm", "identity")
-DEFAULT_CHARS_PER_S = 17.0  # pipeline.caption_style.CueStyle's (Netflix's adult reading speed)
 
 
 def captions_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,9 +37,9 @@ def captions_arguments(parser: argparse.ArgumentParser) -> None:
                         help="llm: each transcript cleaned into a caption by the LLM, which can only drop fillers and "
                              "repetitions and set casing, punctuation and numbers (default); identity: the "
                              "transcript as it is, without loading the LLM (faster)")
-    parser.add_argument("--chars-per-s", type=float, default=DEFAULT_CHARS_PER_S,
-                        help="the cues' reading speed at most, characters a second (default: 17 for adults; "
-                             "13 for children's programmes)")
+    parser.add_argument("--chars-per-s", type=float, default=None,
+                        help="the cues' reading speed at most, characters a second (default: the captions."
+                             "max_chars_per_s setting, 17 for adults; 13 for children's programmes)")
     parser.add_argument("--batch", type=int, default=None, help="utterances per whisper pass (default: 4)")
     parser.add_argument("--threads", type=int, default=None,
                         help="whisper's CPU threads (default: the asr setting, asr.cpu_threads)")
@@ -55,18 +54,19 @@ def output_format(args: argparse.Namespace) -> str:
 
 
 def run_captions(settings, args: argparse.Namespace) -> int:
-    from pipeline.caption_style import CueStyle
     from pipeline.file_captions import FileCaptioner, FileCaptionOptions
     from pipeline.media import MediaAudio, MediaError, MediaTooLong
     from pipeline.models import ModelNotFoundError
 
     if args.batch is not None and args.batch < 1:
         return _refuse("--batch must be at least 1")
-    if args.chars_per_s <= 0:
+    if args.chars_per_s is not None and args.chars_per_s <= 0:
         return _refuse("--chars-per-s must be positive")
+    style = settings.captions if args.chars_per_s is None else replace(settings.captions,
+                                                                       max_chars_per_s=args.chars_per_s)
     fmt = output_format(args)
     limit = args.max_duration_s if args.max_duration_s > 0 else float("inf")
-    options = FileCaptionOptions(max_duration_s=limit, style=CueStyle(max_chars_per_s=args.chars_per_s),
+    options = FileCaptionOptions(max_duration_s=limit, style=style,
                                  **({"batch_utterances": args.batch} if args.batch else {}))
     asr = settings.asr if args.threads is None else replace(settings.asr, cpu_threads=args.threads)
     try:

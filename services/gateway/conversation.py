@@ -160,6 +160,7 @@ class Conversation:
         self._preparing_words = False
         self._provisional_words: dict[int, tuple[str, ...]] = {}  # caption mode: utterance -> committed words shown
         self._caption_slots = asyncio.Semaphore(max(1, settings.caption_turns_per_session))
+        self._captions_end_s = -1.0  # caption mode: where the lines sent so far end (the next start after it)
         metrics.track_conversation(self)
 
     def now_s(self) -> float:
@@ -270,7 +271,7 @@ class Conversation:
         shown = tuple(w.text for w in committed)
         if committed and shown != self._provisional_words.get(partial.utterance_index):
             self._provisional_words[partial.utterance_index] = shown
-            caption = convert.provisional_caption(partial.utterance_index, committed)
+            caption = convert.provisional_caption(partial.utterance_index, committed, self.settings.captions)
             self.sink.put_nowait(pb.ServerEvent(caption=caption))
 
     def _keep_transcript(self, event: Any) -> None:
@@ -542,7 +543,10 @@ class Conversation:
             # a caption cut at its token limit would lose the words after the cut: the transcript says them all
             cut = work.finish_reason == "length"
             text = " ".join((work.user_text if cut else work.reply_text).split()) or work.user_text
-            caption = convert.caption(text, list(work.transcript.words), self.config)
+            caption = convert.caption(text, list(work.transcript.words), self.config, self.settings.captions,
+                                      self._captions_end_s + self.settings.captions.min_gap_s)
+            if caption.lines:
+                self._captions_end_s = max(self._captions_end_s, caption.lines[-1].end_s)
             caption.utterance_index = work.transcript.utterance_index
             self._provisional_words.pop(caption.utterance_index, None)
             work.clock.emitted()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.caption_style import broadcast_cues
+from pipeline.caption_style import CueStyle, broadcast_cues, placed_after
 from pipeline.captions import (
     Cue,
     align_caption,
@@ -60,11 +60,11 @@ def transcript(event: Any, final: bool) -> Any:
     )
 
 
-def caption(text: str, words: list, config: Any) -> Any:
-    """The cleaned text placed on the input's timeline by the ASR's word times, in cue lines and
-    the documents the session asked for."""
+def caption(text: str, words: list, config: Any, style: CueStyle, earliest_s: float = 0.0) -> Any:
+    """The cleaned text placed on the input's timeline by the ASR's word times, in broadcast-style cues no
+    earlier than `earliest_s` (the session's captions so far end there), and the documents asked for."""
     cues = align_caption(text, words)
-    lines = broadcast_cues([cues])
+    lines = placed_after(broadcast_cues([cues], style), earliest_s, style)
     formats = set(config.caption_formats)
     return pb.Caption(
         text=text, cues=[caption_cue(c) for c in cues], lines=[caption_cue(c) for c in lines],
@@ -72,12 +72,12 @@ def caption(text: str, words: list, config: Any) -> Any:
         srt=srt_document(lines) if Config.SRT in formats else "")
 
 
-def provisional_caption(utterance_index: int, committed_words: list) -> Any:
+def provisional_caption(utterance_index: int, committed_words: list, style: CueStyle) -> Any:
     """The words the ASR has committed so far in an utterance, timed as spoken (they are not cleaned yet)."""
     cues = [Cue(w.start_s, w.end_s, w.text.strip()) for w in committed_words]
     text = " ".join(c.text for c in cues)
     return pb.Caption(text=text, cues=[caption_cue(c) for c in cues],
-                      lines=[caption_cue(c) for c in broadcast_cues([cues])], provisional=True,
+                      lines=[caption_cue(c) for c in broadcast_cues([cues], style)], provisional=True,
                       utterance_index=utterance_index)
 
 

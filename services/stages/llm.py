@@ -22,8 +22,8 @@ from google.protobuf import json_format
 
 from pipeline.llm.batch import BatchedDecoder, BatchScheduler
 from pipeline.llm.budget import BudgetOptions, BudgetPolicy, Plan, PromptChoice, TurnBudget
-from pipeline.llm.end_of_turn import EndOfTurnScorer
 from pipeline.llm.caption_cleaner import caption_request
+from pipeline.llm.end_of_turn import EndOfTurnScorer
 from pipeline.llm.engine import TRANSCRIPT, DecodeStep, GenerationRequest, Generator
 from pipeline.llm.model import LoadedModel, load_model
 from pipeline.llm.options import SamplingOptions

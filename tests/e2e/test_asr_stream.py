@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from itertools import pairwise
 
 import jiwer
 import numpy as np
@@ -24,7 +23,6 @@ from pipeline.asr_stream import (
 )
 from pipeline.asr_words import utterance_words
 from pipeline.audio import AudioFormatError, PcmFormat, PcmStreamDecoder
-from pipeline.captions import cues_from_words
 
 
 def words(text: str, start_s: float = 0.0, step_s: float = 0.3) -> list[Word]:
@@ -229,14 +227,6 @@ def test_rates_outside_8_to_48_khz_and_odd_byte_counts_are_rejected():
     decoder.feed(b"\x00\x01\x02")
     with pytest.raises(AudioFormatError, match="stray byte"):
         decoder.finish()
-
-
-def test_caption_cues_for_the_users_words_break_at_pauses_and_line_length():
-    spoken = words("what is the capital of France", step_s=0.3) + words("thanks", start_s=3.0)
-    cues = cues_from_words(spoken, max_chars=20)
-    assert [c.text for c in cues] == ["what is the capital", "of France", "thanks"]
-    assert cues[0].start_s == 0.0 and cues[-1].end_s == pytest.approx(3.25)
-    assert all(a.end_s <= b.start_s for a, b in pairwise(cues))
 
 
 def test_words_at_the_edge_of_the_heard_audio_stay_tentative():

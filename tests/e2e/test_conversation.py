@@ -10,6 +10,7 @@ a client that goes away, caption mode, and session configs that are refused.
 from __future__ import annotations
 
 import asyncio
+import html
 from itertools import pairwise
 
 import grpc
@@ -192,7 +193,7 @@ async def test_caption_mode_times_cleaned_captions_on_the_input_timeline(stack, 
         assert all(lo - 0.15 <= c.start_s < c.end_s <= hi + 0.15 for c in cues)
         assert all(a.end_s <= b.start_s for a, b in pairwise(cues))
         parsed = webvtt.from_string(turn.caption.webvtt)
-        assert [c.text for c in parsed] == [c.text for c in turn.caption.lines]
+        assert [html.unescape(c.text) for c in parsed] == [c.text for c in turn.caption.lines]
         assert turn.caption.srt.startswith("1\n")
         assert turn.report["mode"] == "caption"
     assert captioned[0].caption.cues[0].start_s < captioned[1].caption.cues[0].start_s

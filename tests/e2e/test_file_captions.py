@@ -118,7 +118,7 @@ def test_the_audio_of_an_mp4_video_becomes_captions_the_llm_adds_no_word_to(tmp_
     document = json.loads((tmp_path / "talk.json").read_text())
     for utterance in document["utterances"]:
         assert unsaid_words(utterance["transcript"], utterance["caption"]) == [], utterance
-    cues = [Cue(c["start"], c["end"], " ".join(c["lines"]), lines=tuple(c["lines"]),
+    cues = [Cue(c["start"], c["end"], " ".join(c["lines"]), lines=tuple(c["lines"]), utterance=c["utterance"],
                 words=tuple(Cue(w["start"], w["end"], w["text"]) for w in c["words"])) for c in document["cues"]]
     assert_cues_say_the_sentences([(c.start_s, c.end_s, c.text) for c in cues], spans, audio.size / RATE + 0.05)
     assert style_violations(cues) == []

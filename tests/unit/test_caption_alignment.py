@@ -14,7 +14,8 @@ import pytest
 import webvtt
 
 from pipeline.asr import Word
-from pipeline.captions import Cue, align_caption, caption_lines, cues_from_words, srt_document, webvtt_document
+from pipeline.caption_style import CueStyle, broadcast_cues
+from pipeline.captions import Cue, align_caption, srt_document, webvtt_document
 
 SLACK_S = 0.15  # the requirement: a cue within 150 ms of the ASR's times for the words it stands for
 EPS = 1e-9
@@ -219,24 +220,15 @@ def test_degenerate_asr_times_still_give_ordered_cues_of_their_own(words):
     assert_valid(cues, caption, words)
 
 
-def test_caption_lines_group_word_cues_and_documents_parse_with_webvtt_py():
+def test_caption_words_cut_into_broadcast_cues_and_documents_parse_with_webvtt_py():
     words = timed("um what is the capital of france") + timed("thanks a lot", start_s=4.0)
-    cues = align_caption("What is the capital of France? Thanks a lot!", words)
-    lines = caption_lines(cues, max_chars=20)
-    assert [c.text for c in lines] == ["What is the capital", "of France?", "Thanks a lot!"]
-    assert lines[0].start_s == words[1].start_s and lines[1].end_s == words[6].end_s
-    assert lines[2].start_s == words[7].start_s and lines[2].end_s == words[9].end_s
+    caption = "What is the capital of France? Thanks a lot!"
+    lines = broadcast_cues([align_caption(caption, words)], CueStyle(max_line_chars=20))
+    assert " ".join(c.text for c in lines) == caption
+    assert all(len(line) <= 20 for c in lines for line in c.shown_lines)
+    assert lines[0].start_s == words[1].start_s  # shown from its first word, "um" dropped
     assert all(a.end_s <= b.start_s for a, b in pairwise(lines))
-    assert lines == caption_lines(cues, max_chars=20, max_gap_s=0.7)
-    assert len(caption_lines(cues, max_chars=200, max_gap_s=5.0)) == 1
     assert_documents(lines)
-    assert_documents(cues)
-
-
-def test_cues_from_words_still_takes_asr_words_and_now_cues_too():
-    words = timed("what is the capital of france")
-    assert cues_from_words(words, max_chars=20) == cues_from_words(
-        [Cue(w.start_s, w.end_s, w.text) for w in words], max_chars=20)
 
 
 def parse_ms(timestamp: str) -> int:
@@ -250,7 +242,7 @@ def assert_documents(cues: list[Cue]) -> None:
     vtt = webvtt.from_string(webvtt_document(cues))
     srt = webvtt.from_buffer(io.StringIO(srt_document(cues)), format="srt")
     for parsed in (vtt, srt):
-        assert [c.text for c in parsed] == [c.text for c in cues]
+        assert [c.text for c in parsed] == ["\n".join(c.shown_lines) for c in cues]
         times = [(parse_ms(c.start), parse_ms(c.end)) for c in parsed]
         assert times == [(round(c.start_s * 1000), round(c.end_s * 1000)) for c in cues]
         assert all(s < e for s, e in times)
@@ -360,7 +352,7 @@ def test_random_edits_keep_cues_ordered_non_overlapping_and_near_the_asr_times(s
         assert cues == []
         return
     assert_valid(cues, caption, words)
-    assert_documents(caption_lines(cues, max_chars=rng.randint(10, 42)))
+    assert_documents(broadcast_cues([cues], CueStyle(max_line_chars=rng.randint(10, 42))))
     assert_documents(cues)
     kept = [s for s in said if s.kind == "keep"]
     if 2 * len(kept) < len(said):  # a caption rewritten this much may be spread over the utterance instead
@@ -383,7 +375,7 @@ def test_random_edits_of_repeated_words_keep_cues_ordered_and_non_overlapping(se
     cues = align_caption(caption, words)
     if said:
         assert_valid(cues, caption, words)
-        assert_documents(caption_lines(cues))
+        assert_documents(broadcast_cues([cues]))
 
 
 def isolated(said: list[Said], n: int, n_words: int) -> bool:
