@@ -24,7 +24,9 @@ import json
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -157,6 +159,15 @@ class _Heard:
     heard_s: float
 
 
+@dataclass
+class _Cleaning:
+    """A batch whose transcripts are being cleaned on the cleaning thread."""
+
+    heard: list[tuple[Utterance, tuple[Word, ...]]]
+    transcripts: list[str]
+    captions: Future
+
+
 class FileCaptioner:
     """Captions files with one whisper model (loaded once) and one cleaner; blocking."""
 
@@ -182,21 +193,30 @@ class FileCaptioner:
         word_cues: list[list[Cue]] = []
         waiting: list[Utterance] = []
         duration_s = 0.0
+        # A batch's cleaning runs on a thread of its own while whisper hears the next batch (both release the
+        # GIL): on 2 cores the LLM's passes and whisper's overlap instead of taking turns.
+        cleaning = ThreadPoolExecutor(1, thread_name_prefix="file-clean")
+        pending: deque[_Cleaning] = deque()
         try:
             for item in _until_done(heard):
                 waiting += item.utterances
                 duration_s = item.heard_s
                 while len(waiting) >= self.options.batch_utterances:
                     batch, waiting = waiting[: self.options.batch_utterances], waiting[self.options.batch_utterances:]
-                    self._caption_batch(batch, utterances, word_cues, timings)
+                    pending.append(self._transcribe_batch(batch, cleaning, timings))
+                    while len(pending) > 1:
+                        self._finish_batch(pending.popleft(), utterances, word_cues, timings)
                 if on_progress is not None:  # done: the audio before the first utterance still waiting
                     on_progress(waiting[0].audio_start_s if waiting else duration_s)
             if waiting:
-                self._caption_batch(waiting, utterances, word_cues, timings)
+                pending.append(self._transcribe_batch(waiting, cleaning, timings))
+            while pending:
+                self._finish_batch(pending.popleft(), utterances, word_cues, timings)
         finally:
             stop.set()
             _drain(heard)
             producer.join()
+            cleaning.shutdown(cancel_futures=True)
         if on_progress is not None:
             on_progress(duration_s)
         t = time.perf_counter()
@@ -227,16 +247,27 @@ class FileCaptioner:
         except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
             _put(heard, e, stop)
 
-    def _caption_batch(self, batch: list[Utterance], out: list[CaptionedUtterance], word_cues: list[list[Cue]],
-                       timings: Timings) -> None:
+    def _transcribe_batch(self, batch: list[Utterance], cleaning: ThreadPoolExecutor, timings: Timings) -> _Cleaning:
+        """Whisper's words for a batch of utterances, their cleaning started on the cleaning thread."""
         t = time.perf_counter()
         words = [utterance_words(tr, u, self.asr) for tr, u in zip(self.batch.transcribe(batch), batch, strict=True)]
         heard = [(u, w) for u, w in zip(batch, words, strict=True) if w]
         timings.asr_s += time.perf_counter() - t
-        t = time.perf_counter()
         transcripts = [join_words(ws) for _, ws in heard]
-        captions = clean_transcripts(self.cleaner, transcripts)
-        timings.clean_s += time.perf_counter() - t
+
+        def clean() -> list[str]:
+            started = time.perf_counter()
+            captions = clean_transcripts(self.cleaner, transcripts)
+            timings.clean_s += time.perf_counter() - started
+            return captions
+
+        return _Cleaning(heard, transcripts, cleaning.submit(clean))
+
+    def _finish_batch(self, batch: _Cleaning, out: list[CaptionedUtterance], word_cues: list[list[Cue]],
+                      timings: Timings) -> None:
+        """A batch's captions (waited for), timed from the ASR's words."""
+        captions = batch.captions.result()
+        heard, transcripts = batch.heard, batch.transcripts
         t = time.perf_counter()
         for (u, ws), transcript, caption in zip(heard, transcripts, captions, strict=True):
             timed = align_caption(caption, ws)
