@@ -250,10 +250,16 @@ def print_comparison(summaries: dict[str, dict]) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", type=int, default=8, help="sentences per voice")
-    parser.add_argument("--json", dest="json_path", default="docs/benchmarks/results/asr.json",
+    add_replay_arguments(parser, "docs/benchmarks/results/asr.json")
+
+
+def add_replay_arguments(parser: argparse.ArgumentParser, json_path: str) -> None:
+    """The options of a benchmark that replays clips to the recognizer (this one, bench asr-finals)."""
+    parser.add_argument("--json", dest="json_path", default=json_path,
                         help="write the rows here (default: %(default)s, the current figures)")
     parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
-                        help="also replay each clip with these asr settings changed (repeatable)")
+                        help="also replay each clip with these asr settings changed (repeatable), "
+                             "e.g. base:model=base")
     parser.add_argument("--chunk-ms", type=int, default=100, help="audio per chunk the replayed microphone sends")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="time a feed by wall time, or by this process's CPU time (a busy machine)")

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.asr import _model_key, espeak, parse_variant, replay
+from bench.asr import _model_key, add_replay_arguments, espeak, parse_variant, replay
 from bench.e2e import PAUSED, trim
 from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber
 from pipeline.asr_stream import FinalTranscript, StreamingRecognizer
@@ -241,13 +241,7 @@ def _padded(parts: list[np.ndarray]) -> np.ndarray:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", dest="json_path", default="docs/benchmarks/results/asr_finals.json",
-                        help="write the rows here (default: %(default)s, the current figures)")
-    parser.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
-                        help="also run every clip with these asr settings changed (repeatable), e.g. base:model=base")
-    parser.add_argument("--chunk-ms", type=int, default=100, help="audio per chunk the replayed microphone sends")
-    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                        help="time a feed by wall time, or by this process's CPU time (a busy machine)")
+    add_replay_arguments(parser, "docs/benchmarks/results/asr_finals.json")
     parser.add_argument("--no-human", action="store_true", help="synthesized speech only (no recordings to fetch)")
 
 

@@ -105,23 +105,20 @@ class HumanClip:
     def timed_words(self) -> list[tuple[int, float]]:
         """(index into `reference_words(self.reference_text)`, start time) for each reference word whose start is
         known: every word of a "word" clip, each phrase's first word of a "phrase" clip, none of a "none" clip."""
+        timed: Sequence[RefWord | RefPhrase]
         if self.timing == "word" and self.reference is not None:
-            out, i = [], 0
-            for word in self.reference:
-                n = len(normalised_words(word.text))
-                if n:
-                    out.append((i, word.start_s))
-                i += n
-            return out
-        if self.timing == "phrase":
-            out, i = [], 0
-            for phrase in self.phrases:
-                n = len(normalised_words(phrase.text))
-                if n:
-                    out.append((i, phrase.start_s))
-                i += n
-            return out
-        return []
+            timed = self.reference
+        elif self.timing == "phrase":
+            timed = self.phrases
+        else:
+            return []
+        out, i = [], 0
+        for item in timed:  # a word, or a phrase whose first word is timed
+            n = len(normalised_words(item.text))
+            if n:
+                out.append((i, item.start_s))
+            i += n
+        return out
 
 
 # ---- text ---------------------------------------------------------------------------------
