@@ -255,12 +255,13 @@ class Generator:
 
     @property
     def drafters(self) -> tuple[str, ...]:
-        return (*MODEL_FREE_DRAFTERS, TRANSCRIPT, *((EARLY_EXIT,) if self.early_exit_layers else ()),
+        """The drafters any request may name (a caption's `transcript` drafter besides: `check`)."""
+        return (*MODEL_FREE_DRAFTERS, *((EARLY_EXIT,) if self.early_exit_layers else ()),
                 *((QUANTIZED,) if quantized_draft_applies(self.loaded) else ()),
                 *(("draft",) if self.draft_model else ()), *self.draft_heads)
 
     def check(self, request: GenerationRequest) -> None:
-        if request.drafter not in self.drafters:
+        if request.drafter not in self.drafters and request.drafter != TRANSCRIPT:
             raise ValueError(f"unknown drafter {request.drafter!r}: choose one of {', '.join(self.drafters)}")
         if not request.prompt_ids:
             raise ValueError("the prompt is empty")
@@ -378,14 +379,15 @@ class Generator:
         self._constraints.move_to_end(request.caption_of)
         return constraint
 
-    def drafter_for(self, request: GenerationRequest, random: PositionalRandom | None = None,
-                    constraint: TokenConstraint | None = None) -> Drafter:
+    def transcript_drafter(self, request: GenerationRequest, constraint: TokenConstraint) -> Drafter:
+        """A caption's drafter: its transcript's own tokens, from where `constraint`'s automaton stands."""
+        return TranscriptDrafter(constraint, request.caption_of, self.loaded.tokenizer, len(request.prompt_ids))
+
+    def drafter_for(self, request: GenerationRequest, random: PositionalRandom | None = None) -> Drafter:
         """The request's drafter. A model drafter under seeded sampling (`random`) draws the draft
         token at reply position n from position n's draft stream, and computes q alike however
         its passes fall (`ModelDrafter`'s `exact_rows`), so that a resumed reply drafts as the
         uninterrupted one did."""
-        if request.drafter == TRANSCRIPT and constraint is not None:
-            return TranscriptDrafter(constraint, request.caption_of, self.loaded.tokenizer, len(request.prompt_ids))
         if request.drafter == "ngram":
             return PromptLookupDrafter(branches=request.draft_branches)
         if request.drafter == "suffix":
@@ -499,7 +501,9 @@ class RequestDecoder:
         self.constraint = generator.constraint_for(request)
         self.caption_states = (self.constraint.advance(self.constraint.start(), request.resume_tokens)
                                if self.constraint is not None else frozenset())
-        self.drafter: Drafter = generator.drafter_for(request, self.random, self.constraint)
+        self.drafter: Drafter = (generator.transcript_drafter(request, self.constraint)
+                                 if request.drafter == TRANSCRIPT and self.constraint is not None
+                                 else generator.drafter_for(request, self.random))
         self.control = generator.controller_for(request, self.drafter)
         # drafting on or off from measured costs; in a batch, the batch's guard decides (BatchedDecoder)
         self.guard = generator.guard_for(request, self.drafter)
