@@ -4,17 +4,18 @@ cues (lines, reading speed, durations) are cut by `pipeline.caption_style.broadc
 
 from __future__ import annotations
 
-import io
 import json
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from decimal import Decimal, InvalidOperation
 from difflib import SequenceMatcher
 from itertools import accumulate, pairwise
 from typing import Protocol
 
+import srt
 import webvtt
 from num2words import num2words
 
@@ -39,10 +40,6 @@ def vtt_timestamp(seconds: float) -> str:
     m, rest = divmod(rest, 60_000)
     s, ms = divmod(rest, 1000)
     return f"{h:02d}:{m:02d}:{s:02d}.{ms:03d}"
-
-
-def srt_timestamp(seconds: float) -> str:
-    return vtt_timestamp(seconds).replace(".", ",")
 
 
 def caption_text(text: str) -> str:
@@ -73,12 +70,13 @@ def webvtt_document(cues: Iterable[Cue]) -> str:
 
 
 def srt_document(cues: Iterable[Cue]) -> str:
-    """An SRT document: numbered cues, a line of text per shown line, a blank line after each; no cues: ""."""
-    out = io.StringIO()
-    for n, cue in enumerate(cues, start=1):
-        out.write(f"{n}\n{srt_timestamp(cue.start_s)} --> {srt_timestamp(cue.end_s)}\n")
-        out.write("\n".join(_document_lines(cue)) + "\n\n")
-    return out.getvalue()
+    """An SRT document, written by the `srt` package: numbered cues, a line of text per shown line; no cues: ""."""
+    return srt.compose([srt.Subtitle(n, _ms(cue.start_s), _ms(cue.end_s), "\n".join(_document_lines(cue)))
+                        for n, cue in enumerate(cues, start=1)])
+
+
+def _ms(seconds: float) -> timedelta:
+    return timedelta(milliseconds=max(0, round(seconds * 1000)))
 
 
 def json_document(cues: Iterable[Cue]) -> str:
