@@ -56,6 +56,12 @@ class Settings(BaseSettings):
     asr_port: int = 50051
     llm_port: int = 50052
     tts_port: int = 50053
+    # The gateway's HTTP and WebSocket surface: the OpenAI HTTP endpoints and the Realtime API, over the same
+    # TLS, keys and limits (services/gateway/web.py, docs/protocols.md); 0: off. `specvox up` gives a
+    # second gateway worker this port plus supervisor.worker_port_stride.
+    http_port: int = 50080
+    # The largest request body the HTTP surface reads (413 past it): OpenAI's own limit for an audio upload.
+    http_max_body_bytes: int = 25 * 1024 * 1024
     # Where the gateway finds the other services; empty: host:port above.
     asr_address: str = ""
     llm_address: str = ""

@@ -103,6 +103,7 @@ class Stack:
     addresses: dict[str, str]  # stage -> host:port
     redis_url: str = ""  # the Redis it was given ("": `up` runs an embedded Valkey of its own)
     valkey_pid_file: Path | None = None  # the Valkey's pidfile, where the stack's Valkey was started here
+    http: str = ""  # host:port of the gateway's HTTP surface (the OpenAI endpoints, the Realtime API)
     killed: bool = False  # it had not stopped STOP_TIMEOUT_S after Ctrl-C
 
     @property
@@ -144,7 +145,7 @@ def running_stack(log_dir: Path, *, args: Sequence[str] = (), env: Mapping[str, 
     an EmbeddedRedis not yet started, started here for the stack and stopped after it, for a caller
     that reads Redis too (its process is then among `Stack.processes()`)."""
     first = free_ports(PORT_SPAN)
-    ports = {name: first + i for i, name in enumerate(STAGES)}
+    ports = {name: first + i for i, name in enumerate((*STAGES, "http"))}  # http: the gateway's HTTP surface
     log = Path(log_dir) / "up.log"
     with contextlib.ExitStack() as cleanup:
         if isinstance(redis, str):
@@ -160,8 +161,8 @@ def running_stack(log_dir: Path, *, args: Sequence[str] = (), env: Mapping[str, 
         with open(log, "wb") as out:
             process = subprocess.Popen([sys.executable, "-m", "services.cli", "up", *args], cwd=cwd, env=environ,
                                        stdout=out, stderr=subprocess.STDOUT)
-        stack = Stack(process, log, {name: f"{host}:{port}" for name, port in ports.items()}, redis_url,
-                      valkey_pid_file)
+        stack = Stack(process, log, {name: f"{host}:{ports[name]}" for name in STAGES}, redis_url,
+                      valkey_pid_file, http=f"{host}:{ports['http']}")
         try:
             with _terminate_as_interrupt():
                 _wait_ready(stack, args, start_timeout_s)

@@ -92,7 +92,7 @@ def specvox_up(redis_url: str, log_dir: Path, env: dict[str, str] | None = None,
     try:
         with running_stack(log_dir, args=args, env={"SPECVOX_LOG_LEVEL": "WARNING", **(env or {})}, redis=redis_url,
                            cwd=ROOT, start_timeout_s=STACK_START_TIMEOUT_S) as stack:
-            yield stack.addresses | {"redis": redis_url}
+            yield stack.addresses | {"redis": redis_url, "http": stack.http}
     except StackDidNotStart as e:
         pytest.fail(str(e))
     if stack.killed:
@@ -102,7 +102,8 @@ def specvox_up(redis_url: str, log_dir: Path, env: dict[str, str] | None = None,
 
 @pytest.fixture(scope="session")
 def stack(tmp_path_factory) -> Iterator[dict[str, str]]:
-    """The four services, started by `specvox up` on a Valkey of their own (see redis_url)."""
+    """The four services, started by `specvox up` on a Valkey of their own (see redis_url); "http": the
+    gateway's HTTP surface."""
     with EmbeddedRedis() as server, specvox_up(server.url, tmp_path_factory.mktemp("stack")) as addresses:
         yield addresses
 

@@ -20,7 +20,7 @@ ORDER = ("tts", "asr", "llm", "gateway")  # the gateway last: its channels reach
 @contextlib.asynccontextmanager
 async def four_services(settings) -> AsyncIterator[dict[str, str]]:
     """Yields the addresses; `settings` without ports: free ones are chosen here."""
-    ports = {name: free_port() for name in ORDER}
+    ports = {name: free_port() for name in (*ORDER, "http")}
     settings = settings.model_copy(update={f"{name}_port": port for name, port in ports.items()})
     async with contextlib.AsyncExitStack() as stack:
         for name in ORDER:
@@ -30,8 +30,11 @@ async def four_services(settings) -> AsyncIterator[dict[str, str]]:
 
 @contextlib.asynccontextmanager
 async def serve_one(settings, name: str) -> AsyncIterator[str]:
-    """One service's real `build(settings)` on its port setting, as `run_service` serves it; its address."""
+    """One service's real `build(settings)` on its port setting, as `run_service` serves it; its address.
+    A gateway whose caller left `http_port` unset serves its HTTP surface on a free port."""
     draining = asyncio.Event()
+    if name == "gateway" and "http_port" not in settings.model_fields_set:
+        settings = settings.model_copy(update={"http_port": free_port()})
     service = await importlib.import_module(SERVICE_MODULES[name]).build(settings)
     workers: list[asyncio.Task] = []
     server = None

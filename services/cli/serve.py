@@ -115,6 +115,7 @@ def up(settings, tts_python: str = "", stages: tuple[str, ...] = SERVICES,
     cannot share this one's torch.
     """
     from services import protos
+    from services.gateway.web import http_surfaces
     from services.server import auth
     from services.server.supervisor import Supervisor, health_probe, plan_children
     from services.store.client import masked_url
@@ -150,6 +151,9 @@ def up(settings, tts_python: str = "", stages: tuple[str, ...] = SERVICES,
             stage = child.name.rsplit("-", 1)[0]
             other = f"  ({pythons[stage]})" if pythons[stage] != sys.executable else ""
             print(f"  {child.name:<10} {child.address:<22} pid {child.pid}{other}", flush=True)
+            if stage == "gateway" and settings.http_port:
+                for line in http_surfaces(settings, child.env.get("SPECVOX_HTTP_PORT", "")):
+                    print(f"  {'':<10} {line}", flush=True)
         print("  redis      " + (embedded.display_url if embedded else masked_url(str(settings.redis_url))),
               flush=True)
         print("specvox: a crashed service is restarted; Ctrl-C stops everything", flush=True)
@@ -164,7 +168,7 @@ def up(settings, tts_python: str = "", stages: tuple[str, ...] = SERVICES,
         ports = {name: getattr(settings, f"{name}_port") for name in SERVICES}
         order = [name for name in START_ORDER if name in stages]
         children = plan_children(order, workers, env, pythons, ports, settings.host, settings.metrics_port,
-                                 settings.supervisor)
+                                 settings.supervisor, settings.http_port)
         return supervisor.run(children)
     finally:
         if embedded:

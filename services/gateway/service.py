@@ -138,14 +138,28 @@ async def build(settings: Settings) -> Service:
     stubs = Stubs(asr_grpc.AsrStub(channels["asr"]), llm_grpc.LlmStub(channels["llm"]),
                   tts_grpc.TtsStub(channels["tts"]))
     servicer = GatewayServicer(settings, redis, stubs)
+    surface = None
+    if settings.http_port:  # the OpenAI HTTP endpoints and Realtime API, on the same sessions (services/gateway/web.py)
+        from services.gateway.web import HttpSurface, WebContext
+        from services.server.limits import tenant_limits
+
+        surface = HttpSurface(WebContext(settings, servicer, tenant_limits(settings, redis.client)))
 
     async def close() -> None:
+        if surface is not None:
+            await surface.stop()
         for channel in channels.values():
             await channel.close()
         await redis.close()
 
+    if surface is not None:
+        try:
+            await surface.start()
+        except BaseException:
+            await close()
+            raise
     return Service("gateway", lambda server: pb_grpc.add_GatewayServicer_to_server(servicer, server), close=close,
-                   redis=redis.client)
+                   redis=redis.client, workers=[surface.serve_until_drain] if surface is not None else [])
 
 
 if __name__ == "__main__":

@@ -85,9 +85,10 @@ return 0
 """
 
 
-class LimitsInterceptor(grpc.aio.ServerInterceptor):
-    """The gateway's per-tenant request rate and concurrent streams (after auth: TENANT is set),
-    counted in Redis so that they hold across every gateway of the cluster."""
+class TenantLimits:
+    """The gateway's per-tenant request rate and concurrent streams, counted in Redis so that they hold
+    across every gateway of the cluster; what each transport (the gRPC interceptor below, the HTTP
+    middleware in services/gateway/web.py) admits a call through."""
 
     def __init__(self, options: LimitOptions, redis: Any) -> None:
         self.options = options
@@ -97,14 +98,8 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
         self._open = redis.register_script(_OPEN_STREAM)
         self._renew = redis.register_script(_RENEW_STREAM)
 
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith("/grpc."):  # health, reflection
-            return handler
-        streaming = handler.request_streaming and handler.response_streaming  # Converse: it holds a slot
-        return wrap_handler(handler, functools.partial(self._admitted, streaming))
-
-    async def _check_rate(self, tenant: str) -> None:
+    async def check_rate(self, tenant: str) -> None:
+        """LimitExceededError past the tenant's rate; a Redis error where it cannot be counted."""
         o = self.options
         if not o.requests_per_s_per_key:
             return
@@ -113,8 +108,8 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
             raise LimitExceededError("requests_per_s_per_key", f"more than {o.requests_per_s_per_key:g} requests a "
                                      "second for this key (limits.requests_per_s_per_key): slow down")
 
-    async def _open_stream(self, tenant: str) -> str | None:
-        """The stream's lease id, or None when streams are not limited."""
+    async def open_stream(self, tenant: str) -> str | None:
+        """The stream's lease id, or None when streams are not limited; LimitExceededError when all are held."""
         o = self.options
         if not o.max_streams_per_key:
             return None
@@ -125,6 +120,19 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
             raise LimitExceededError("max_streams_per_key", f"this key already has {held} streams open, at most "
                                      f"{o.max_streams_per_key} (limits.max_streams_per_key)")
         return lease
+
+    @contextlib.asynccontextmanager
+    async def holding(self, tenant: str, lease: str | None) -> AsyncIterator[None]:
+        """While the body runs, the stream's lease is renewed; after it, the slot is freed."""
+        if lease is None:
+            yield
+            return
+        keeper = asyncio.create_task(self._keep_stream(tenant, lease))
+        try:
+            yield
+        finally:
+            keeper.cancel()
+            await self._close_stream(tenant, lease)
 
     async def _keep_stream(self, tenant: str, lease: str) -> None:
         """Renew the lease a third of its length ahead, for as long as the stream lives."""
@@ -138,24 +146,43 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
         with contextlib.suppress(*REDIS_ERRORS):  # if Redis is away the lease runs out by itself
             await self.redis.zrem(tenant_streams_key(tenant), lease)
 
+
+def tenant_limits(settings: Any, redis: Any = None) -> TenantLimits | None:
+    """The gateway's rate and stream limits on its Redis client (`Service.redis`); None when none is set."""
+    o: LimitOptions = settings.limits
+    if not (o.requests_per_s_per_key or o.max_streams_per_key):
+        return None
+    if redis is None:
+        raise ValueError("the gateway's per-key limits need its Redis client (Service.redis)")
+    return TenantLimits(o, redis)
+
+
+class LimitsInterceptor(grpc.aio.ServerInterceptor):
+    """`TenantLimits` on the gateway's gRPC calls (after auth: TENANT is set); a Converse stream holds a slot."""
+
+    def __init__(self, limits: TenantLimits) -> None:
+        self.limits = limits
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler_call_details.method.startswith("/grpc."):  # health, reflection
+            return handler
+        streaming = handler.request_streaming and handler.response_streaming  # Converse: it holds a slot
+        return wrap_handler(handler, functools.partial(self._admitted, streaming))
+
     @contextlib.asynccontextmanager
     async def _admitted(self, streaming: bool, request, context) -> AsyncIterator[Any]:
         """The call goes on within the tenant's rate, a stream while it holds a slot (kept till it ends)."""
         tenant = TENANT.get()
         lease = await self._admit(request, context, tenant, streaming)
-        keeper = asyncio.create_task(self._keep_stream(tenant, lease)) if lease else None
-        try:
+        async with self.limits.holding(tenant, lease):
             yield request
-        finally:
-            if keeper is not None:
-                keeper.cancel()
-                await self._close_stream(tenant, lease)  # type: ignore[arg-type]
 
     async def _admit(self, request, context, tenant: str, stream: bool) -> str | None:
         """The stream's lease id (None: not a limited stream); a call over a limit is refused."""
         try:
-            await self._check_rate(tenant)
-            return await self._open_stream(tenant) if stream else None
+            await self.limits.check_rate(tenant)
+            return await self.limits.open_stream(tenant) if stream else None
         except LimitExceededError as e:
             await abort_refused(request, context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"gateway: {e}")
         except REDIS_ERRORS as e:
@@ -166,12 +193,8 @@ class LimitsInterceptor(grpc.aio.ServerInterceptor):
 
 def interceptors(settings: Any, service: str, redis: Any = None) -> list[grpc.aio.ServerInterceptor]:
     """The gateway's rate and stream limits, on its Redis client (`Service.redis`)."""
-    o: LimitOptions = settings.limits
-    if service != "gateway" or not (o.requests_per_s_per_key or o.max_streams_per_key):
-        return []
-    if redis is None:
-        raise ValueError("the gateway's per-key limits need its Redis client (Service.redis)")
-    return [LimitsInterceptor(o, redis)]
+    limits = tenant_limits(settings, redis) if service == "gateway" else None
+    return [LimitsInterceptor(limits)] if limits is not None else []
 
 
 async def hold_session(redis: Any, options: LimitOptions, tenant: str, session_id: str, ttl_s: int) -> None:

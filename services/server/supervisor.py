@@ -207,10 +207,11 @@ class Supervisor:
 
 def plan_children(stages: Iterable[str], workers: dict[str, int], base_env: dict[str, str],
                   pythons: dict[str, str], ports: dict[str, int], host: str, metrics_port: int,
-                  options: SupervisorOptions) -> list[Child]:
+                  options: SupervisorOptions, http_port: int = 0) -> list[Child]:
     """The children of a stack: `workers[stage]` processes of each stage (1 by default), each
     with its stable name (SPECVOX_WORKER_NAME), its own port and, where metrics are on, its own
-    metrics port (the gateway's metrics_port, asr +1, llm +2, tts +3; worker i + i * stride)."""
+    metrics port (the gateway's metrics_port, asr +1, llm +2, tts +3; worker i + i * stride), and each
+    gateway its own HTTP port (http_port + i * stride, where it is on)."""
     metrics_offset = {"gateway": 0, "asr": 1, "llm": 2, "tts": 3}
     children = []
     for stage in stages:
@@ -219,6 +220,8 @@ def plan_children(stages: Iterable[str], workers: dict[str, int], base_env: dict
             env = dict(base_env, SPECVOX_WORKER_NAME=f"{stage}-{i}", **{f"SPECVOX_{stage.upper()}_PORT": str(port)})
             if metrics_port:
                 env["SPECVOX_METRICS_PORT"] = str(metrics_port + metrics_offset[stage] + i * options.worker_port_stride)
+            if stage == "gateway" and http_port:
+                env["SPECVOX_HTTP_PORT"] = str(http_port + i * options.worker_port_stride)
             children.append(Child(f"{stage}-{i}", [pythons[stage], "-m", "services.cli", "serve", stage], env,
                                   f"{host}:{port}"))
     return children

@@ -56,7 +56,8 @@ async def second_gateway(stack):
     """Another gateway process's worth: its own servicer and interceptors, the same Redis and workers."""
     settings, addresses = stack
     ports = {f"{name}_port": int(addresses[name].rsplit(":", 1)[1]) for name in ("asr", "llm", "tts")}
-    async with serve_one(settings.model_copy(update={**ports, "gateway_port": free_port()}), "gateway") as address:
+    async with serve_one(settings.model_copy(update={**ports, "gateway_port": free_port(), "http_port": free_port()}),
+                         "gateway") as address:
         yield address
 
 

@@ -52,7 +52,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 async def channels(stack):
-    opened = {name: grpc.aio.insecure_channel(address) for name, address in stack.items() if name != "redis"}
+    opened = {name: grpc.aio.insecure_channel(address) for name, address in stack.items()
+              if name not in ("redis", "http")}
     yield opened
     for channel in opened.values():
         await channel.close()

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import ssl
 
+import aiohttp
 import grpc
 import pytest
 import redis.asyncio as aioredis
@@ -42,6 +43,15 @@ async def health_server(settings: Settings, service: str = "llm"):
         yield f"127.0.0.1:{port}"
     finally:
         await server.stop(None)
+
+
+async def https_health(address: str, tls: TlsOptions | None) -> int:
+    """The gateway's HTTP /health over HTTPS, presenting `tls`'s client certificate (None: none)."""
+    context = ssl.create_default_context(cafile=str(tls.ca_file)) if tls else ssl.create_default_context()
+    if tls is not None:
+        context.load_cert_chain(tls.client_cert_file, tls.client_key_file)
+    async with aiohttp.ClientSession() as session, session.get(f"https://{address}/health", ssl=context) as r:
+        return r.status
 
 
 async def check(address: str, tls: TlsOptions | None = None) -> grpc.StatusCode:
@@ -179,7 +189,7 @@ async def test_the_four_services_over_mutual_tls(pki, redis_url, speech):
     from pipeline.audio import PcmFormat, float_to_pcm16
     from services.client import ClientOptions, Say, converse_script
     from services.server.auth import AuthOptions, hash_key
-    from tests.inprocess import four_services
+    from tests.inprocess import ORDER, four_services
 
     key = "svk_the-tls-test-key-00000000000000000000000"
     server = TlsOptions(cert_file=str(pki["server"].cert), key_file=str(pki["server"].key),
@@ -191,7 +201,12 @@ async def test_the_four_services_over_mutual_tls(pki, redis_url, speech):
     stranger = TlsOptions(ca_file=str(pki["ca"].ca_file), client_cert_file=str(pki["stranger"].cert),
                           client_key_file=str(pki["stranger"].key))
     async with four_services(settings) as addresses:
-        for name, address in addresses.items():
+        assert await https_health(addresses["http"], client) == 200  # the HTTP surface: the same certificates
+        for refused in (None, stranger):
+            with pytest.raises(aiohttp.ClientError):
+                await https_health(addresses["http"], refused)
+        for name in ORDER:
+            address = addresses[name]
             assert await check(address) == grpc.StatusCode.UNAVAILABLE, name
             assert await check(address, stranger) == grpc.StatusCode.UNAVAILABLE, name
             assert await check(address, client) == grpc.StatusCode.OK, name  # health: open by default

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from services.server.limits import LimitOptions, LimitsInterceptor
+from services.server.limits import LimitOptions, LimitsInterceptor, TenantLimits
 from services.stack import free_port
 from tests.grpc_status import expect_status
 
@@ -40,7 +40,7 @@ async def limited_server():
     redis = aioredis.Redis(host="127.0.0.1", port=nothing_there, socket_connect_timeout=1.0,
                            retry=Retry(NoBackoff(), 0))
     limits = LimitOptions(max_streams_per_key=2, requests_per_s_per_key=100.0)
-    server = grpc.aio.server(interceptors=[LimitsInterceptor(limits, redis)])
+    server = grpc.aio.server(interceptors=[LimitsInterceptor(TenantLimits(limits, redis))])
     server.add_generic_rpc_handlers([ECHO_HANDLERS])
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
