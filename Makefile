@@ -45,6 +45,18 @@ $(COQUI_VENV)/.installed: requirements/coqui.txt pyproject.toml
 protos: install
 	$(BIN)/python -m services.protos
 
+# The Node.js client of the native-API tests (tests/e2e/test_node_client.py): @grpc/grpc-js and
+# @grpc/proto-loader as its package-lock.json pins them. Needs Node.js >= 18 and npm; without
+# them those tests skip, except in CI, where they fail. No install scripts run: none of these
+# packages needs one (protobufjs has only a version notice).
+NODE_CLIENT := tests/clients/node
+.PHONY: node-client
+node-client: $(NODE_CLIENT)/node_modules/.installed
+
+$(NODE_CLIENT)/node_modules/.installed: $(NODE_CLIENT)/package.json $(NODE_CLIENT)/package-lock.json
+	@if command -v npm >/dev/null; then cd $(NODE_CLIENT) && npm ci --no-audit --no-fund --ignore-scripts && touch node_modules/.installed; \
+	else echo "make: no npm, so the Node.js client tests will skip (CI fails them): install Node.js >= 18"; fi
+
 demo: install
 	$(BIN)/specvox demo $(if $(WAV),--wav $(WAV))
 
@@ -61,7 +73,7 @@ PYTEST_WORKERS := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist
 # tests come late in the suite and wait for it (tests/e2e/test_tts_coqui.py reads the status file).
 COQUI_LOG := $(COQUI_VENV).log
 COQUI_STATUS := $(COQUI_VENV).status
-test: lint
+test: lint node-client
 	@rm -f $(COQUI_STATUS)
 	@$(if $(COQUI),echo "make test: $(COQUI_VENV) builds beside the tests (log: $(COQUI_LOG))"; \
 	  ( $(MAKE) --no-print-directory $(COQUI) > $(COQUI_LOG) 2>&1; echo $$? > $(COQUI_STATUS) ) & ) \
@@ -85,4 +97,4 @@ up: install
 	$(BIN)/specvox up
 
 clean:
-	rm -rf $(VENV) $(COQUI_VENV) services/gen out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(COQUI_VENV) services/gen $(NODE_CLIENT)/node_modules out .pytest_cache .mypy_cache .ruff_cache

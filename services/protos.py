@@ -4,12 +4,25 @@ Generated code is never committed or hand-edited, and never written by an import
 (or `python -m services.protos`) compiles protos/specvox/*/v1/*.proto into services/gen/, and a
 wheel carries them (setup.py). An import only loads them; missing or older than their .proto,
 it says how to build them, rather than four service processes racing to write the same files.
+
+The protos import each other relative to protos/ ("specvox/common/v1/common.proto"), so that a
+client in any language compiles them as shipped with `protoc -Iprotos`. protoc's Python plugin
+turns that import into `from specvox.common.v1 import common_pb2` and has no option to put a
+package in front (Go's plugin has go_package), so the build prefixes `services.gen.` to those
+imports. The other way round (an include mapping
+`-Iservices/gen=protos`, as before) would give the Python build the right module names but make
+the protos' import paths a path of the Python build that no other client can resolve.
+The build writes into a fresh folder and swaps it in (two renames), so that services and tests
+running from this checkout never import a half-written services/gen.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import re
+import shutil
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -29,22 +42,41 @@ def _generated(proto: Path) -> Path:
     return GEN_DIR / proto.relative_to(PROTO_DIR).with_name(proto.stem + "_pb2.py")
 
 
-def build() -> None:
-    """Compile every proto; module paths become services.gen.specvox.<svc>.v1."""
+# The generated imports of other specvox protos (`from specvox.common.v1 import common_pb2 as ...`
+# in _pb2.py, .pyi and _pb2_grpc.py), which become imports of services.gen.specvox.
+PROTO_IMPORT = re.compile(r"^from specvox\.", re.MULTILINE)
+
+
+def build(out_root: Path = ROOT) -> None:
+    """Compile every proto into out_root/services/gen, as modules services.gen.specvox.<svc>.v1."""
     from grpc_tools import protoc
 
-    args = [
-        "protoc",
-        f"-Iservices/gen={PROTO_DIR}",
-        f"-I{Path(protoc.__file__).parent / '_proto'}",
-        f"--python_out={ROOT}",
-        f"--grpc_python_out={ROOT}",
-        f"--pyi_out={ROOT}",
-        *[str(p) for p in proto_files()],
-    ]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed on {PROTO_DIR}")
-    log.info("compiled %d protos into %s", len(proto_files()), GEN_DIR)
+    gen = out_root / "services" / "gen"
+    gen.parent.mkdir(parents=True, exist_ok=True)
+    fresh = Path(tempfile.mkdtemp(prefix=".gen-", dir=gen.parent))
+    try:
+        args = [
+            "protoc",
+            f"-I{PROTO_DIR}",
+            f"-I{Path(protoc.__file__).parent / '_proto'}",
+            f"--python_out={fresh}",
+            f"--grpc_python_out={fresh}",
+            f"--pyi_out={fresh}",
+            *[str(p) for p in proto_files()],
+        ]
+        if protoc.main(args) != 0:
+            raise RuntimeError(f"protoc failed on {PROTO_DIR}")
+        for module in [*fresh.rglob("*.py"), *fresh.rglob("*.pyi")]:
+            module.write_text(PROTO_IMPORT.sub("from services.gen.specvox.", module.read_text()))
+        fresh.chmod(0o755)  # mkdtemp's 0700 would hide the code from other users of an install
+        old = gen.with_name(fresh.name + "-old")
+        if gen.exists():
+            gen.rename(old)
+        fresh.rename(gen)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(fresh, ignore_errors=True)
+    log.info("compiled %d protos into %s", len(proto_files()), gen)
 
 
 class ProtosNotBuiltError(ImportError):

@@ -55,3 +55,28 @@ def test_a_checkout_never_built_says_how_to_build(checkout):
     assert "ProtosNotBuiltError" in done.stderr and "specvox/common/v1/common.proto (not built)" in done.stderr
     assert "run `make install`" in done.stderr
     assert not (checkout / "services" / "gen").exists()
+
+
+def test_each_proto_compiles_with_protos_as_its_only_include_dir(tmp_path):
+    """What any client's protoc sees: imports relative to protos/, no path of the Python build."""
+    from grpc_tools import protoc
+
+    from services.protos import PROTO_DIR, proto_files
+
+    for proto in proto_files():
+        relative = str(proto.relative_to(PROTO_DIR))
+        assert protoc.main(["protoc", f"-I{PROTO_DIR}", f"--descriptor_set_out={tmp_path / 'set.pb'}",
+                            relative]) == 0, relative
+        assert "services/gen" not in proto.read_text(), relative
+
+
+def test_the_build_writes_modules_that_import_each_other_from_services_gen(checkout):
+    """A build into a fresh folder, loaded there: the generated imports resolve under services.gen."""
+    shutil.rmtree(checkout / "services" / "gen")
+    built = subprocess.run([sys.executable, "-c", "from services import protos; protos.build(protos.ROOT)"],
+                           cwd=checkout, capture_output=True, text=True, timeout=60)
+    assert built.returncode == 0, built.stderr
+    assert not list((checkout / "services").glob(".gen-*")), "the build left its fresh or old folder"
+    gateway = (checkout / "services" / "gen" / "specvox" / "gateway" / "v1" / "gateway_pb2.py").read_text()
+    assert "from services.gen.specvox.common.v1 import common_pb2" in gateway
+    assert load_in(checkout).returncode == 0
