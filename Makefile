@@ -57,6 +57,19 @@ $(NODE_CLIENT)/node_modules/.installed: $(NODE_CLIENT)/package.json $(NODE_CLIEN
 	@if command -v npm >/dev/null; then cd $(NODE_CLIENT) && npm ci --no-audit --no-fund --ignore-scripts && touch node_modules/.installed; \
 	else echo "make: no npm, so the Node.js client tests will skip (CI fails them): install Node.js >= 18"; fi
 
+# The real clients whose dependencies clash with specvox's own (Pipecat, LiveKit Agents): an env of their
+# own, .venv-clients (requirements/clients.txt), where tests run the scripts of tests/clients/. Without it
+# those tests skip, except in CI, where they fail. specvox itself is not installed there.
+CLIENTS_VENV ?= .venv-clients
+.PHONY: clients
+clients: $(CLIENTS_VENV)/.installed
+
+$(CLIENTS_VENV)/.installed: requirements/clients.txt
+	$(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(CLIENTS_VENV)/bin/pip install --quiet -r requirements/clients.txt
+	touch $@
+
 demo: install
 	$(BIN)/specvox demo $(if $(WAV),--wav $(WAV))
 
@@ -73,7 +86,7 @@ PYTEST_WORKERS := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist
 # tests come late in the suite and wait for it (tests/e2e/test_tts_coqui.py reads the status file).
 COQUI_LOG := $(COQUI_VENV).log
 COQUI_STATUS := $(COQUI_VENV).status
-test: lint node-client
+test: lint node-client clients
 	@rm -f $(COQUI_STATUS)
 	@$(if $(COQUI),echo "make test: $(COQUI_VENV) builds beside the tests (log: $(COQUI_LOG))"; \
 	  ( $(MAKE) --no-print-directory $(COQUI) > $(COQUI_LOG) 2>&1; echo $$? > $(COQUI_STATUS) ) & ) \
@@ -97,4 +110,4 @@ up: install
 	$(BIN)/specvox up
 
 clean:
-	rm -rf $(VENV) $(COQUI_VENV) services/gen $(NODE_CLIENT)/node_modules out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(COQUI_VENV) $(CLIENTS_VENV) services/gen $(NODE_CLIENT)/node_modules out .pytest_cache .mypy_cache .ruff_cache

@@ -35,6 +35,8 @@ class Service:
     workers: list[Callable[[asyncio.Event], Awaitable[None]]] = field(default_factory=list)
     close: Callable[[], Awaitable[None]] | None = None
     redis: Any = None  # the service's Redis client, where its interceptors keep counts (the gateway's limits)
+    # gRPC services it serves beside its own proto's (Riva's on asr and tts): health and reflection name them too
+    more_names: list[str] = field(default_factory=list)
 
 
 class ServiceExit(RuntimeError):
@@ -76,7 +78,7 @@ async def build_server(settings: Any, name: str, service: Service) -> BuiltServe
                              interceptors=[*hooks.server_interceptors(settings, name, service.redis),
                                            MalformedRequests()])
     service.register(server)
-    names = service_names(name)
+    names = [*service_names(name), *service.more_names]
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for full_name in ["", *names]:

@@ -21,6 +21,7 @@ from pipeline.asr_stream import (
 )
 from pipeline.audio import AudioStreamReader, PcmFormat, PcmStreamDecoder
 from services.protos import load, load_common
+from services.riva import asr as riva_asr
 from services.server import logs
 from services.server.errors import status_on_error
 from services.server.model_worker import ModelWorker
@@ -80,27 +81,42 @@ class AsrServicer(pb_grpc.AsrServicer):
             config = await _first_config(request_iterator)
             logs.bind(session_id=config.session_id)
             await self.sessions.require(config.session_id)
-            decoder = WireAudioDecoder(config.format)
-            language = self.transcriber.check_language(config.language) if config.language else None
-            recognizer = StreamingRecognizer(self.options, self.transcriber, language, self.cadence)
+            events = self.recognize(config.format, config.language, _client_audio(request_iterator, clock))
             yield pb.TranscriptEvent(kind=Kind.READY, emitted_unix_ms=now_ms())
-            chunks: asyncio.Queue = asyncio.Queue(maxsize=AUDIO_QUEUE_MESSAGES)
-            reader = asyncio.create_task(_read_audio(request_iterator, chunks, clock))
-            try:
-                ended = False
-                while not ended:
-                    audio, prompt, ended = await _take_all(chunks)
-                    if prompt is not None:
-                        recognizer.prompt = prompt
-                    for event in await self._hear(recognizer, decoder.feed(audio)):
-                        yield _event(clock, event)
-                events = await self._hear(recognizer, decoder.finish())
-                events += await self.worker.call(recognizer.finish)
-                for event in events:
-                    yield _event(clock, event)
-            finally:
-                reader.cancel()
-                recognizer.close()
+            async for event in events:
+                yield _event(clock, event)
+
+    def recognize(self, fmt: common.AudioFormat, language: str, audio: AsyncIterator[bytes | str],
+                  phrases: Sequence[str] = ()) -> AsyncIterator[AsrEvent]:
+        """One stream's recognition, what every surface of the asr service runs (Transcribe, Riva's
+        StreamingRecognize and Recognize): `audio` yields the stream's bytes, and a str for a new
+        prompt (`prompt_of`); `phrases`: the first prompt's. The format, language and phrases are
+        checked here, before any audio is read (ValueError, AudioFormatError)."""
+        decoder = WireAudioDecoder(fmt)
+        checked = self.transcriber.check_language(language) if language else None
+        recognizer = StreamingRecognizer(self.options, self.transcriber, checked, self.cadence)
+        recognizer.prompt = prompt_of_phrases(phrases)
+        return self._recognize(recognizer, decoder, audio)
+
+    async def _recognize(self, recognizer: StreamingRecognizer, decoder: WireAudioDecoder,
+                         audio: AsyncIterator[bytes | str]) -> AsyncIterator[AsrEvent]:
+        chunks: asyncio.Queue = asyncio.Queue(maxsize=AUDIO_QUEUE_MESSAGES)
+        reader = asyncio.create_task(_read_audio(audio, chunks))
+        try:
+            ended = False
+            while not ended:
+                samples, prompt, ended = await _take_all(chunks)
+                if prompt is not None:
+                    recognizer.prompt = prompt
+                for event in await self._hear(recognizer, decoder.feed(samples)):
+                    yield event
+            events = await self._hear(recognizer, decoder.finish())
+            events += await self.worker.call(recognizer.finish)
+            for event in events:
+                yield event
+        finally:
+            reader.cancel()
+            recognizer.close()
 
     async def _hear(self, recognizer: StreamingRecognizer, samples: np.ndarray) -> list[AsrEvent]:
         """The VAD's events on the listener thread, then the passes due (if any) on the model thread."""
@@ -110,20 +126,26 @@ class AsrServicer(pb_grpc.AsrServicer):
         return events + recognizer.transcribe()
 
 
-async def _read_audio(request_iterator, chunks: asyncio.Queue, clock: StageClock) -> None:
-    """Client audio (and contexts, as whisper's prompt) → queue, so that audio arriving during a
-    transcription pass is taken in one go. The queue is bounded: a client sending faster than the
-    stage hears (a file sent unpaced) waits, through gRPC's flow control, instead of filling memory."""
+async def _client_audio(request_iterator, clock: StageClock) -> AsyncIterator[bytes | str]:
+    """A Transcribe stream's audio, and its contexts as whisper's prompt."""
+    async for request in request_iterator:
+        kind = request.WhichOneof("payload")
+        if kind == "context":
+            yield prompt_of(request.context)
+            continue
+        if kind != "audio":
+            raise ValueError("only audio or a context may follow the stream's config message")
+        clock.received()
+        yield request.audio
+
+
+async def _read_audio(audio: AsyncIterator[bytes | str], chunks: asyncio.Queue) -> None:
+    """The client's audio (and prompts) → queue, so that audio arriving during a transcription
+    pass is taken in one go. The queue is bounded: a client sending faster than the stage hears
+    (a file sent unpaced) waits, through gRPC's flow control, instead of filling memory."""
     try:
-        async for request in request_iterator:
-            kind = request.WhichOneof("payload")
-            if kind == "context":
-                await chunks.put(prompt_of(request.context))
-                continue
-            if kind != "audio":
-                raise ValueError("only audio or a context may follow the stream's config message")
-            clock.received()
-            await chunks.put(request.audio)
+        async for item in audio:
+            await chunks.put(item)
         await chunks.put(END)
     except Exception as e:  # noqa: BLE001 - raised again where the stream is answered
         await chunks.put(e)
@@ -203,7 +225,12 @@ async def build(settings: Settings) -> Service:
     redis = await open_redis(settings)
     servicer = AsrServicer(settings.asr, redis.sessions)
     servicer.transcriber.warm_up()
-    return Service("asr", lambda server: pb_grpc.add_AsrServicer_to_server(servicer, server), close=redis.close)
+
+    def register(server: grpc.aio.Server) -> None:
+        pb_grpc.add_AsrServicer_to_server(servicer, server)
+        riva_asr.add_to_server(servicer, server)  # Riva's recognition calls, on the same recogniser
+
+    return Service("asr", register, close=redis.close, more_names=[riva_asr.SERVICE_NAME])
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from pipeline.tts.phrases import PhraseCutter, PhraseOptions
 from pipeline.tts.speaker import ReplySpeaker, SpeechPiece
 from pipeline.tts.synthesizers import load_synthesizer
 from services.protos import load, load_common
+from services.riva import tts as riva_tts
 from services.server import logs, tracing
 from services.server.errors import status_on_error, work_through_log
 from services.server.model_worker import ModelWorker
@@ -349,8 +350,12 @@ async def build(settings: Settings) -> Service:
     synthesizer = load_synthesizer(settings.tts)
     synthesizer.warm_up()
     servicer = TtsServicer(settings, synthesizer, redis)
-    return Service("tts", lambda server: pb_grpc.add_TtsServicer_to_server(servicer, server),
-                   workers=[servicer.work], close=redis.close)
+
+    def register(server: grpc.aio.Server) -> None:
+        pb_grpc.add_TtsServicer_to_server(servicer, server)
+        riva_tts.add_to_server(servicer, server)  # Riva's synthesis calls, on the same synthesis
+
+    return Service("tts", register, workers=[servicer.work], close=redis.close, more_names=[riva_tts.SERVICE_NAME])
 
 
 if __name__ == "__main__":
