@@ -20,6 +20,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -79,6 +80,9 @@ class TurnResult:
     sample_rate_hz: int = 0
     cues: list[Cue] = field(default_factory=list)  # one per phrase of the reply
     word_cues: list[Cue] = field(default_factory=list)  # one per word of the reply
+    # each viseme as it came (a common.v1.Viseme), with how many audio chunks of the turn came before it
+    visemes: list[tuple[int, Any]] = field(default_factory=list)
+    visemes_after_interrupt: int = 0  # visemes received after the interrupt (none should come)
     first_audio_unix_ms: int = 0
     report: dict = field(default_factory=dict)
     utterance_index: int = -1
@@ -308,6 +312,11 @@ def _record(turn: TurnResult, event, started_unix_s: float, speaker: Loudspeaker
         turn.cues.append(Cue(event.cue.start_s, event.cue.end_s, event.cue.text))
     elif kind == "word":
         turn.word_cues.append(Cue(event.word.start_s, event.word.end_s, event.word.text))
+    elif kind == "viseme":
+        if turn.interrupt:
+            turn.visemes_after_interrupt += 1
+        else:
+            turn.visemes.append((len(turn.audio), event.viseme))
     elif kind == "pause":
         turn.pauses_unix_ms.append(int(time.time() * 1000))
         speaker.pause(turn.turn_id, now_s)
@@ -369,8 +378,8 @@ def report_dict(turn: TurnResult, report, started_unix_s: float) -> dict:
 
 
 def write_outputs(turns: list[TurnResult], out_dir: str) -> dict:
-    """reply.wav, captions.vtt (and .srt), word_captions.vtt, user_captions.vtt and report.json
-    for the conversation's last complete turn."""
+    """reply.wav, captions.vtt (and .srt), word_captions.vtt, user_captions.vtt, visemes.json and
+    report.json for the conversation's last complete turn."""
     done = [t for t in turns if t.report and t.report["finish_reason"] not in ("cancelled", "interrupted")]
     if not done:
         raise RuntimeError("the gateway finished no turn: was there speech in the audio?")
@@ -382,6 +391,9 @@ def write_outputs(turns: list[TurnResult], out_dir: str) -> dict:
     (out / "captions.srt").write_text(srt_document(turn.cues))
     (out / "word_captions.vtt").write_text(webvtt_document(turn.word_cues))
     (out / "user_captions.vtt").write_text(webvtt_document(turn.user_cues))
+    visemes = [{"start_s": v.start_s, "end_s": v.end_s, "id": v.id, "azure_id": v.azure_id,
+                "weight": round(v.weight, 3), "approximate": v.approximate} for _, v in turn.visemes]
+    (out / "visemes.json").write_text(json.dumps(visemes, indent=1) + "\n")
     (out / "report.json").write_text(json.dumps(turn.report, indent=2) + "\n")
     return turn.report
 

@@ -3,7 +3,9 @@
 A backend turns one phrase of text into audio, in one or more pieces (Piper decodes each
 sentence a few frames at a time; a streaming model such as XTTS yields several as it
 goes). Word timings come with a piece when the backend can align its own output (Piper's
-phoneme widths); otherwise the speaker places words in proportion within the phrase.
+phoneme widths); otherwise the speaker places words in proportion within the phrase. Visemes
+come with the piece they start in: from the same widths (Piper), or spread over the sentence in
+proportion to its phonemes and marked approximate (Coqui); see pipeline/tts/visemes.py.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+from pipeline.tts.visemes import Viseme
 
 BACKENDS = ("piper", "coqui")
 
@@ -53,6 +57,7 @@ class Synthesis:
     audio: np.ndarray  # mono float32 at sample_rate_hz
     sample_rate_hz: int
     words: tuple[WordTiming, ...] | None = None  # None: the backend cannot align its output
+    visemes: tuple[Viseme, ...] = ()  # those that start in this piece, timed from its start
 
 
 class Synthesizer(Protocol):

@@ -9,11 +9,20 @@ the Hugging Face Hub, such as XTTS, the local Hub cache), or as a checkpoint and
 Nothing is downloaded here: a model missing from the local folders is an error that says
 how to fetch it. XTTS streams its audio as the GPT decodes (`inference_stream`); the other
 models give one piece per sentence.
+
+Coqui's models do not report where each phoneme fell, so a sentence's visemes are approximate:
+its phonemes (the model's own phonemizer's, or espeak-ng's through piper-tts, which this
+environment carries for the Piper backend) spread over its voiced audio in proportion to their
+typical lengths (pipeline/tts/visemes.py). XTTS's streamed pieces come before the sentence's
+length is known: they carry none.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+import unicodedata
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,8 +32,11 @@ import numpy as np
 from pipeline.audio import resample
 from pipeline.models import ModelNotFoundError
 from pipeline.tts.backend import Synthesis, TtsOptions
+from pipeline.tts.visemes import Viseme, proportional_alignment, visemes_from_alignment
 
 __all__ = ["CoquiSynthesizer", "TtsOptions"]
+log = logging.getLogger(__name__)
+ESPEAK_VOICE = "en-us"  # espeak-ng's voice for a model with no language of its own and no phonemizer
 
 INSTALL_HINT = "the Coqui backend needs the TTS package of coqui-tts: run `make coqui` and use .venv-coqui/bin/python"
 
@@ -183,7 +195,30 @@ class CoquiSynthesizer:
             return
         for sentence in self.synthesizer.split_into_sentences(text, self.language):
             if sentence.strip():
-                yield Synthesis(self._sentence(sentence), self.sample_rate_hz)
+                audio = self._sentence(sentence)
+                yield Synthesis(audio, self.sample_rate_hz, visemes=self._visemes(sentence, audio))
+
+    def _visemes(self, sentence: str, audio: np.ndarray) -> tuple[Viseme, ...]:
+        """The sentence's visemes, spread over its audio in proportion (approximate); none without phonemes."""
+        phonemes = self._phonemes(sentence)
+        if not phonemes:
+            return ()
+        alignment = proportional_alignment(phonemes, audio, self.sample_rate_hz)
+        return visemes_from_alignment(alignment, self.sample_rate_hz, approximate=True)
+
+    def _phonemes(self, sentence: str) -> list[str]:
+        """The sentence's IPA, a code point at a time: the model's own phonemizer's where it has one,
+        else espeak-ng's (piper-tts's bridge); none if neither can say it."""
+        phonemizer = getattr(getattr(self.model, "tokenizer", None), "phonemizer", None)
+        try:
+            if phonemizer is not None:
+                ipa = phonemizer.phonemize(sentence, separator="", language=self.language)
+            else:
+                ipa = " ".join("".join(s) for s in _espeak().phonemize(self.language or ESPEAK_VOICE, sentence))
+        except Exception as error:  # lip-sync is worth no failed sentence
+            log.warning("no visemes for %r: its phonemes failed (%s)", sentence[:40], error)
+            return []
+        return list(unicodedata.normalize("NFD", ipa))
 
     def _sentence(self, sentence: str) -> np.ndarray:
         from TTS.utils import synthesizer as coqui_synthesizer
@@ -238,6 +273,17 @@ class CoquiSynthesizer:
         parts = [piece.audio for piece in self.stream(text)]
         audio = np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
         return resample(audio, self.sample_rate_hz, sample_rate_hz or self.sample_rate_hz)
+
+
+@functools.cache
+def _espeak() -> Any:
+    """piper-tts's espeak-ng phonemizer, without its bridge's leaks (pipeline/tts/espeak_clauses.py)."""
+    from piper.phonemize_espeak import EspeakPhonemizer
+
+    from pipeline.tts import espeak_clauses
+
+    espeak_clauses.use_for_piper()
+    return EspeakPhonemizer()
 
 
 def _few(names: list[str], limit: int = 8) -> str:

@@ -12,7 +12,7 @@ to full scale by its peak, known only once the sentence is decoded; here one gai
 voice, measured at load on a reference sentence, puts the voice at that level instead.
 
 Word times come from the widths: words are the runs of phonemes between espeak's
-word separators.
+word separators. So do the visemes (pipeline/tts/visemes.py): each phoneme's samples, exactly.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from pipeline.audio import resample
 from pipeline.models import resolve_piper_voice
 from pipeline.tts import espeak_clauses
 from pipeline.tts.backend import Synthesis, TtsOptions, WordTiming
+from pipeline.tts.visemes import starting_in, visemes_from_alignment
 
 __all__ = ["PiperSynthesizer", "TtsOptions", "phoneme_word_spans"]
 log = logging.getLogger(__name__)
@@ -109,10 +110,12 @@ class PiperSynthesizer:
         for phonemes in sentences:
             phonemes = [p for p in phonemes if p in self.phonemizer.config.phoneme_id_map]  # those the voice can say
             widths, pieces = self.model.run(self.phonemizer.phonemes_to_ids(phonemes), self.inputs, out_frames)
+            alignment = (self._phoneme_samples(phonemes, widths * self.phonemizer.config.hop_length)
+                         if widths is not None else None)
+            visemes = visemes_from_alignment(alignment, self.sample_rate_hz) if alignment is not None else ()
             spans: list[tuple[str, int, int]] | None = None
             if groups is not None and widths is not None:
                 sizes = _take(groups, first, _count_words(phonemes))
-                alignment = self._phoneme_samples(phonemes, widths * self.phonemizer.config.hop_length)
                 phoneme_spans = phoneme_word_spans(alignment) if alignment is not None else []
                 if sizes is None or len(phoneme_spans) != sum(sizes):
                     groups = None  # lost track: the rest goes in proportion
@@ -126,7 +129,8 @@ class PiperSynthesizer:
                     ending = [span for span in spans if span[2] <= end]
                     spans = spans[len(ending) :]
                     timings = tuple(WordTiming(w, (a - start) / rate, (b - start) / rate) for w, a, b in ending)
-                yield Synthesis(np.clip(audio * self.gain, -1.0, 1.0), rate, timings)
+                yield Synthesis(np.clip(audio * self.gain, -1.0, 1.0), rate, timings,
+                                starting_in(visemes, start / rate, end / rate))
                 start = end
             out_frames += start // self.phonemizer.config.hop_length
 

@@ -4,7 +4,9 @@ Each phrase is said as `speech_text` spells it; its pieces of audio go out as th
 backend makes them, each with the word cues it settles. A word's cue spans the
 audio of every spoken word it became ("1,200" → "one thousand two hundred"). Words
 the backend could not align are placed in proportion to their length within what
-is left of the phrase.
+is left of the phrase. A phrase's visemes are placed by the voice's own clock (the samples
+it made before them), so resampling moves none of them; each goes out with the first piece
+whose audio reaches its start.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pipeline.audio import StreamResampler
 from pipeline.captions import CaptionTrack, Cue
 from pipeline.tts.backend import Synthesis, Synthesizer
 from pipeline.tts.speech_text import SpeechText, speech_text
+from pipeline.tts.visemes import Viseme
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class SpeechPiece:
     start_s: float  # in the reply's timeline
     word_cues: tuple[Cue, ...] = ()
     phrase_cue: Cue | None = None
+    visemes: tuple[Viseme, ...] = ()  # in the reply's timeline; each starts in this piece's audio or later
 
     @property
     def end_s(self) -> float:
@@ -45,6 +49,8 @@ class ReplySpeaker:
         self.captions = CaptionTrack()
         self._next_index = 0
         self._next_start_s = 0.0
+        self._visemes_end_s = 0.0  # where the last phrase's visemes end (a resampled phrase's audio may end a
+        # sample sooner): the next phrase's begin no earlier
         self.chunks_out = 0  # audio chunks the caller has numbered so far (their index in the reply)
 
     @property
@@ -68,24 +74,61 @@ class ReplySpeaker:
         index, start_s = self._next_index, self._next_start_s
         self._next_index += 1
         timer = _WordTimer(said, start_s)
+        visemes = _VisemePlacer(start_s, self.synthesizer.sample_rate_hz, self._visemes_end_s)
         resampler = StreamResampler(self.synthesizer.sample_rate_hz, self.sample_rate_hz)  # no seams mid-word
         for piece in self.synthesizer.stream(said.spoken, after_s=start_s):
             piece_start_s = self._next_start_s
             audio = self._advance(resampler.feed(piece.audio))
             cues = timer.place(piece, piece_start_s, self._next_start_s)
             self.captions.words.extend(cues)
-            yield SpeechPiece(index, audio, self.sample_rate_hz, piece_start_s, cues)
+            yield SpeechPiece(index, audio, self.sample_rate_hz, piece_start_s, cues,
+                              visemes=visemes.place(piece, self._next_start_s))
         tail_start_s = self._next_start_s
         audio = self._advance(resampler.finish())
         cues = timer.finish(self._next_start_s)
         phrase_cue = Cue(round(start_s, 3), round(self._next_start_s, 3), " ".join(w.text for w in said.words))
         self.captions.words.extend(cues)
         self.captions.phrases.append(phrase_cue)
-        yield SpeechPiece(index, audio, self.sample_rate_hz, tail_start_s, cues, phrase_cue)
+        yield SpeechPiece(index, audio, self.sample_rate_hz, tail_start_s, cues, phrase_cue,
+                          visemes.finish(self._next_start_s))
+        self._visemes_end_s = visemes.last_end_s
 
     def _advance(self, audio: np.ndarray) -> np.ndarray:
         self._next_start_s += audio.size / self.sample_rate_hz
         return audio
+
+
+class _VisemePlacer:
+    """Puts a phrase's visemes on the reply's timeline: the phrase's start plus the voice's own samples
+    before them (the resampler holds a few milliseconds back, but moves no time); holds each back
+    until the audio out reaches its start, so it goes out with the piece that plays it."""
+
+    def __init__(self, start_s: float, voice_rate_hz: int, earliest_s: float = 0.0) -> None:
+        self.start_s = start_s
+        self.voice_rate_hz = voice_rate_hz
+        self.voice_samples = 0  # the phrase's audio made so far, at the voice's rate
+        self.last_end_s = max(start_s, earliest_s)
+        self.pending: list[Viseme] = []
+
+    def place(self, piece: Synthesis, out_until_s: float) -> tuple[Viseme, ...]:
+        piece_start_s = self.start_s + self.voice_samples / self.voice_rate_hz
+        self.voice_samples += piece.audio.size
+        for v in piece.visemes:
+            begin = max(piece_start_s + v.start_s, self.last_end_s)
+            self.last_end_s = max(piece_start_s + v.end_s, begin)
+            self.pending.append(Viseme(begin, self.last_end_s, v.viseme, v.azure_id, v.weight, v.approximate))
+        due = [v for v in self.pending if v.start_s < out_until_s]
+        self.pending = self.pending[len(due) :]
+        return tuple(due)
+
+    def finish(self, end_s: float) -> tuple[Viseme, ...]:
+        """The rest, none past the phrase's audio (`end_s`)."""
+        due = [Viseme(v.start_s, min(v.end_s, end_s), v.viseme, v.azure_id, v.weight, v.approximate)
+               for v in self.pending if v.start_s < end_s]
+        if self.pending:
+            self.last_end_s = due[-1].end_s if due else min(self.last_end_s, end_s)
+        self.pending = []
+        return tuple(due)
 
 
 class _WordTimer:

@@ -80,7 +80,7 @@ TICK_S = 0.02  # timers of the turn-taking machine (held turns, playout, pauses)
 KEPT_UTTERANCES = 8
 KEPT_UNHEARD_TURNS = 16
 KIND = asr_pb.TranscriptEvent
-SPOKEN = frozenset({"reply_text", "audio", "cue", "word"})  # what of an interrupted turn is dropped
+SPOKEN = frozenset({"reply_text", "audio", "cue", "word", "viseme"})  # what of an interrupted turn is dropped
 
 
 @dataclass
@@ -433,25 +433,35 @@ class Conversation:
                 if kind == "word":
                     await self.handle(WordTimed(work.turn_id, cue.text, cue.start_s, cue.end_s))
                 await work.outbox.put(pb.ServerEvent(turn_id=work.turn_id, **{kind: cue}))
+            elif kind == "viseme":  # on the audio's timeline, just before the chunk it starts in
+                await work.outbox.put(pb.ServerEvent(turn_id=work.turn_id, viseme=item.viseme))
             elif kind == "times":
                 work.stage_times.append(item.times)
 
     async def _send_paced(self, work: TurnWork) -> None:
         """The turn's output, once it is confirmed; audio at most `audio_lead_s` ahead of playback."""
         await work.confirmed.wait()
+        visemes: list[Any] = []  # held for the audio chunk they start in: they go out with it, or not at all
         while (event := await work.outbox.get()) is not END:
-            if event.WhichOneof("event") == "audio":
+            if event.WhichOneof("event") == "viseme":
+                visemes.append(event)
+            elif event.WhichOneof("event") == "audio":
                 while self.machine.may_send_until_s(work.turn_id, self.now_s()) <= event.audio.start_s:
                     await self.clock.sleep(TICK_S)
                 if not work.first_audio_sent_unix_ms:
                     work.first_audio_sent_unix_ms = self.clock.unix_ms()
                 work.clock.emitted()
+                for viseme in visemes:
+                    await self.sink.put(viseme)
+                visemes.clear()
                 await self.sink.put(event)
                 end_s = event.audio.start_s + len(event.audio.pcm_s16le) / 2 / event.audio.sample_rate_hz
                 await self.handle(AudioSent(work.turn_id, end_s))
             else:
                 work.clock.emitted()
                 await self.sink.put(event)
+        for viseme in visemes:  # after the last chunk (a phrase's silent tail): at the end
+            await self.sink.put(viseme)
 
     def _score_end_of_turn(self, action: ScoreEndOfTurn) -> None:
         work = self.work.get(action.turn_id)

@@ -25,6 +25,7 @@ from pipeline.tts.backend import Synthesizer
 from pipeline.tts.phrases import PhraseCutter, PhraseOptions
 from pipeline.tts.speaker import ReplySpeaker, SpeechPiece
 from pipeline.tts.synthesizers import load_synthesizer
+from pipeline.tts.visemes import Viseme
 from services.protos import load, load_common
 from services.riva import tts as riva_tts
 from services.server import logs, tracing
@@ -255,6 +256,7 @@ class _Saying:
                 "text": text, "start_s": repr(speaker.end_s), "chunk": str(speaker.chunks_out),
                 "word": str(self.words), **({"hurried_seq": str(self.hurried_seq)} if ordinal == 0 else {})})
             await self._write([marker])
+        visemes = 0  # the phrase's visemes so far: each one's index (a phrase said again makes the same ones)
         async for piece in self.servicer.worker.iterate(speaker.speak(text), self._due_s):
             entries, fresh = [], []
             for event in _events(piece, speaker):
@@ -262,6 +264,8 @@ class _Saying:
                 index = event.audio.chunk_index if kind == "audio" else -1
                 if kind == "word":
                     index, self.words = self.words, self.words + 1
+                elif kind == "viseme":
+                    index, visemes = visemes, visemes + 1
                 entry = SpeechEntry(0, kind, piece.phrase_index, index, event.SerializeToString())
                 if entry.key not in past.keys:
                     entries.append(entry)
@@ -314,10 +318,16 @@ def voice_name(settings: Settings) -> str:
 
 
 def _events(piece: SpeechPiece, speaker: ReplySpeaker) -> list:
-    """Word cues first (they are known once the piece is made), then its audio, then the phrase cue."""
+    """Word cues first (they are known once the piece is made), then its audio, each chunk after the
+    visemes that start in it, then the phrase cue."""
     events = [pb.SpeechEvent(word=_cue(c, piece.phrase_index)) for c in piece.word_cues]
     step = int(AUDIO_CHUNK_S * piece.sample_rate_hz)
+    visemes = list(piece.visemes)
     for offset in range(0, piece.audio.size, step):
+        chunk_end_s = piece.start_s + min(offset + step, piece.audio.size) / piece.sample_rate_hz
+        starting = [v for v in visemes if v.start_s < chunk_end_s] if offset + step < piece.audio.size else visemes
+        events += [pb.SpeechEvent(viseme=_viseme(v, piece.phrase_index)) for v in starting]
+        visemes = visemes[len(starting) :]
         events.append(pb.SpeechEvent(audio=common.AudioChunk(
             pcm_s16le=float_to_pcm16(piece.audio[offset : offset + step]),
             sample_rate_hz=piece.sample_rate_hz,
@@ -326,9 +336,15 @@ def _events(piece: SpeechPiece, speaker: ReplySpeaker) -> list:
             chunk_index=speaker.chunks_out,
         )))
         speaker.chunks_out += 1
+    events += [pb.SpeechEvent(viseme=_viseme(v, piece.phrase_index)) for v in visemes]  # a piece with no audio
     if piece.phrase_cue:
         events.append(pb.SpeechEvent(cue=_cue(piece.phrase_cue, piece.phrase_index)))
     return events
+
+
+def _viseme(v: Viseme, phrase_index: int):
+    return common.Viseme(start_s=v.start_s, end_s=v.end_s, id=v.viseme, azure_id=v.azure_id, weight=v.weight,
+                         approximate=v.approximate, phrase_index=phrase_index)
 
 
 def _cue(cue, phrase_index: int):

@@ -207,9 +207,10 @@ class SpeechEntry:
     """One entry of a turn's speech stream, the tts stage's output log.
 
     `phrase` entries open a phrase (its text, where it starts in the reply's timeline, the chunk
-    and word numbers it starts at); `word`, `audio` and `cue` entries carry a serialized
-    tts.v1.SpeechEvent, numbered by (phrase, index): the chunk's index within the turn for audio,
-    the word's for words. The `end` entry closes the turn's speech (finish_reason, error).
+    and word numbers it starts at); `word`, `viseme`, `audio` and `cue` entries carry a
+    serialized tts.v1.SpeechEvent, numbered by (phrase, index): the chunk's index within the turn
+    for audio, the word's for words, the viseme's within its phrase for visemes. The `end` entry
+    closes the turn's speech (finish_reason, error).
     """
 
     n: int  # the entry's running number in the stream

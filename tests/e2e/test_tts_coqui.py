@@ -283,3 +283,24 @@ async def test_the_coqui_tts_service_resamples_and_rejects_bad_input(coqui_tts_s
     assert {e.audio.sample_rate_hz for e in events if e.WhichOneof("event") == "audio"} == {24_000}
     await expect_status(grpc.StatusCode.INVALID_ARGUMENT, "", synthesize(coqui_tts_service, "   "))
     assert await synthesize(coqui_tts_service, "Still here.")  # the service stays up
+
+
+async def test_the_coqui_tts_service_sends_approximate_visemes_over_its_audio(coqui_tts_service):
+    """Coqui reports no alignment: each sentence's phonemes (espeak-ng's) spread over its audio, marked
+    approximate, tiling the reply's timeline and each sent just before the chunk it starts in."""
+    events = await synthesize(coqui_tts_service, TEXT)
+    chunks = [e.audio for e in events if e.WhichOneof("event") == "audio"]
+    visemes = [e.viseme for e in events if e.WhichOneof("event") == "viseme"]
+    audio_s = sum(len(c.pcm_s16le) / 2 for c in chunks) / TINY_RATE_HZ
+    assert visemes and all(v.approximate for v in visemes)
+    assert {v.id for v in visemes} - {"sil"}, "the phrase's sounds made no mouth shape"
+    assert visemes[0].start_s == 0 and visemes[-1].end_s == pytest.approx(audio_s, abs=1 / TINY_RATE_HZ)
+    assert all(0 <= b.start_s - a.end_s <= 1 / TINY_RATE_HZ for a, b in pairwise(visemes))
+    pending = []
+    for event in events:
+        if event.WhichOneof("event") == "viseme":
+            pending.append(event.viseme.start_s)
+        elif event.WhichOneof("event") == "audio":
+            end_s = event.audio.start_s + len(event.audio.pcm_s16le) / 2 / TINY_RATE_HZ
+            assert all(event.audio.start_s - 1e-6 <= start_s < end_s for start_s in pending)
+            pending = []
