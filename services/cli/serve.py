@@ -106,6 +106,11 @@ def serve_one(settings, service: str) -> int:
     return 0
 
 
+# What the asr and tts ports also speak (services/riva): `specvox up` says so under each.
+RIVA_SURFACES = {"asr": "NVIDIA Riva: nvidia.riva.asr.RivaSpeechRecognition",
+                 "tts": "NVIDIA Riva: nvidia.riva.tts.RivaSpeechSynthesis"}
+
+
 def up(settings, tts_python: str = "", stages: tuple[str, ...] = SERVICES,
        workers: dict[str, int] | None = None) -> int:
     """Run each service (or each of `stages`) as its own processes under services/server/supervisor.py:
@@ -154,6 +159,8 @@ def up(settings, tts_python: str = "", stages: tuple[str, ...] = SERVICES,
             if stage == "gateway" and settings.http_port:
                 for line in http_surfaces(settings, child.env.get("SPECVOX_HTTP_PORT", "")):
                     print(f"  {'':<10} {line}", flush=True)
+            elif stage in RIVA_SURFACES:
+                print(f"  {'':<10} {child.address}  ({RIVA_SURFACES[stage]})", flush=True)
         print("  redis      " + (embedded.display_url if embedded else masked_url(str(settings.redis_url))),
               flush=True)
         print("specvox: a crashed service is restarted; Ctrl-C stops everything", flush=True)
