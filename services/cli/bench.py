@@ -17,7 +17,7 @@ BENCHMARKS = {  # the name on the command line -> the module under bench/
     "turn": "turn", "asr": "asr", "spec": "spec", "spec-plots": "spec_plots", "step": "step_split", "tts": "tts",
     "batch": "batch", "e2e": "e2e", "end-of-turn": "end_of_turn", "fuzz": "fuzz", "soak": "soak",
     "faults": "faults", "lossless": "lossless", "tts-allocator": "tts_allocator", "captions": "captions",
-    "file-captions": "file_captions", "asr-finals": "asr_finals",
+    "file-captions": "file_captions", "asr-finals": "asr_finals", "openai-http": "openai_http",
 }
 
 
