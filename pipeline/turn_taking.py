@@ -54,6 +54,7 @@ DEFAULT_OPENERS = (
 # Whisper's spellings of a hum ("Mmmmm", "mm-m-m", "N M M", "hmmm"): letters m, n and h alone.
 MURMUR = re.compile(r"[mnh]+")
 HEARD_WORD_SLACK_S = 0.05  # a word counts as heard once playback passed its end, less this
+REQUESTED_UTTERANCE = -1  # the utterance of a turn the client asked for (ReplyRequested): none of the asr's
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,12 @@ class TurnTakingOptions:
     min_interrupt_confidence: float = 0.45
     pause_max_s: float = 3.0  # a pause the words never decided ends in a resume
     audio_lead_s: float = 1.0  # reply audio sent ahead of playback, at most
+    # Off, a final takes no turn: its words wait for the client to ask for a reply (ReplyRequested; the
+    # Realtime API's turn_detection.create_response false).
+    start_turns: bool = True
+    # Off, speech over the avatar neither pauses nor interrupts it: its words wait for the next reply (the
+    # Realtime API's turn_detection.interrupt_response false).
+    interruptions: bool = True
 
 
 # ---- events -------------------------------------------------------------------------------
@@ -165,8 +172,29 @@ class ClientDone:
     """The client closed its side: it will play what it has; nothing more is said."""
 
 
+@dataclass(frozen=True)
+class UserSaid:
+    """Words the user gave outside the machine's own voice turns (typed, or speech the client committed
+    with turn detection off): the next reply answers them, after any unanswered words before them."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class ReplyRequested:
+    """The client asks for a reply now (the Realtime API's `response.create`): a turn starts confirmed,
+    answering the unanswered words; a reply still playing is interrupted first, one not heard yet dropped."""
+
+
+@dataclass(frozen=True)
+class ReplyCancelled:
+    """The client stopped the current reply (`response.cancel`, or a truncate of the playing one): it
+    is over as an interruption is, the history keeping what was heard by then."""
+
+
 Event = (VoiceStarted | VoiceEnded | SpeechStarted | Partial | Final | EndOfTurnScored | AudioSent
-         | WordTimed | ReplyDone | PlaybackReported | Tick | CaptionDone | ClientDone)
+         | WordTimed | ReplyDone | PlaybackReported | Tick | CaptionDone | ClientDone | UserSaid | ReplyRequested
+         | ReplyCancelled)
 
 
 # ---- actions ------------------------------------------------------------------------------
@@ -326,7 +354,7 @@ class _Turn:
         return self.playback is not None
 
     def heard(self, until_s: float) -> str:
-        return " ".join(w.text for w in self.words if w.end_s - HEARD_WORD_SLACK_S <= until_s)
+        return heard_text(self.words, until_s)
 
 
 class TurnTaking:
@@ -398,7 +426,8 @@ class TurnTaking:
             return []
         actions = self._pause(now_s)  # where the asr sent no voice event first
         t = self.turn
-        if t and not t.audio_sent:  # nothing heard yet: the user was pausing, not done
+        held = t is not None and (self.options.interruptions or t.utterance != REQUESTED_UTTERANCE)
+        if t and held and not t.audio_sent:  # nothing heard yet: the user was pausing, not done
             self.unanswered = t.user_text
             actions += self._end(t, "cancelled", now_s)
         return actions
@@ -409,11 +438,11 @@ class TurnTaking:
         if self.paused_since_s is not None or self.audible(now_s):
             # A partial interrupts only when it is plainly more than a backchannel; a short one
             # (often whisper's guess at a murmur) waits for the final to decide.
-            if _distinct_words(_words(event.text)) > self.options.backchannel_max_words:
+            if self.options.interruptions and _distinct_words(_words(event.text)) > self.options.backchannel_max_words:
                 return self._interrupt(now_s)
             return []
         t = self.turn
-        if not event.stable_ending or not event.text.strip():
+        if not event.stable_ending or not event.text.strip() or not self.options.start_turns:
             return []
         if t and (t.utterance == event.utterance or not t.audio_sent):
             return []  # this utterance has its early turn already, or a reply is about to speak
@@ -429,6 +458,8 @@ class TurnTaking:
             self.captions.add(caption.turn_id)
             return [caption]
         actions: list[Action] = []
+        if not self.options.interruptions and self.audible(now_s):  # said over the avatar: for the next reply
+            return self._on_UserSaid(UserSaid(text), now_s)
         if self.paused_since_s is not None or self.audible(now_s):  # said over the avatar
             # (Not paused, too: voice in two short bursts can end each one's pause before the
             # utterance they make up is transcribed.)
@@ -451,6 +482,8 @@ class TurnTaking:
             actions += self._end(t, "cancelled", now_s)
         if not text:
             return actions
+        if not self.options.start_turns:  # the client asks for the reply
+            return actions + self._on_UserSaid(UserSaid(text), now_s)
         if self.turn and not self.turn.audio_sent:
             self.unanswered = self.turn.user_text
             actions += self._end(self.turn, "cancelled", now_s)
@@ -502,6 +535,22 @@ class TurnTaking:
         self.client_done = True
         return self._resume(now_s, "noise")
 
+    def _on_UserSaid(self, event: UserSaid, now_s: float) -> list[Action]:  # noqa: N802
+        self.unanswered = " ".join(x for x in (self.unanswered, event.text.strip()) if x)
+        return []
+
+    def _on_ReplyRequested(self, event: ReplyRequested, now_s: float) -> list[Action]:  # noqa: N802
+        if self.caption_mode:
+            return []
+        actions = self._drop_current(now_s)
+        turn = _Turn(self._new_id(), REQUESTED_UTTERANCE, "", self.unanswered, confirmed=True, final_seen=True,
+                     final_s=now_s)
+        self.turn = turn
+        return [*actions, StartTurn(turn.turn_id, turn.utterance, turn.user_text, False), ConfirmTurn(turn.turn_id)]
+
+    def _on_ReplyCancelled(self, event: ReplyCancelled, now_s: float) -> list[Action]:  # noqa: N802
+        return self._drop_current(now_s)
+
     # -- steps ---------------------------------------------------------------------------
 
     def _timers(self, now_s: float) -> list[Action]:
@@ -546,7 +595,8 @@ class TurnTaking:
 
     def _pause(self, now_s: float) -> list[Action]:
         t = self.turn
-        if self.caption_mode or self.paused_since_s is not None or t is None or not self.audible(now_s):
+        if (not self.options.interruptions or self.caption_mode or self.paused_since_s is not None or t is None
+                or not self.audible(now_s)):
             return []
         assert t.playback is not None
         self.paused_since_s = now_s
@@ -562,6 +612,17 @@ class TurnTaking:
         t.resumes += 1
         self.counts = _add(self.counts, resumes=1)
         return [ResumePlayback(t.turn_id, t.playback.resume(now_s), reason)]
+
+    def _drop_current(self, now_s: float) -> list[Action]:
+        """The current reply ends at the client's word: interrupted where heard, else cancelled (its
+        user's words still unanswered)."""
+        t = self.turn
+        if t is None:
+            return []
+        if t.audio_sent:
+            return self._interrupt(now_s)
+        self.unanswered = t.user_text
+        return self._end(t, "cancelled", now_s)
 
     def _interrupt(self, now_s: float) -> list[Action]:
         """The user took the turn: drop the reply's audio; the history keeps what was heard."""
@@ -617,6 +678,11 @@ class TurnTaking:
         letter (the "a" of "mm in a moment", whisper's guess at a murmur)."""
         return _distinct_words(sure) <= self.options.backchannel_max_words and all(
             w in self._backchannel_words or MURMUR.fullmatch(w) or len(w) == 1 for w in sure)
+
+
+def heard_text(words: list[WordTimed], until_s: float) -> str:
+    """The reply's words heard when playback reached `until_s`."""
+    return " ".join(w.text for w in words if w.end_s - HEARD_WORD_SLACK_S <= until_s)
 
 
 def _distinct_words(words: list[str]) -> int:

@@ -6,8 +6,9 @@ confirmed, paused, resumed, interrupted or over. This class only carries those d
 it hands each turn to the turn runner (llm and tts work, wherever it runs), reads the reply's
 text and speech back, paces the audio ahead of playback, and records what the user heard. It
 knows no transport and no store (services/gateway/ports.py); the gRPC `Converse` in
-service.py is one adapter onto it. docs/architecture.md, "A live session", gives the order of
-events.
+service.py and the Realtime WebSocket (realtime.py) are adapters onto it, the latter also driving
+turns itself (typed words, commits, reply requests and cancels, truncates).
+docs/architecture.md, "A live session", gives the order of events.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 from pipeline.llm.prompts import Exchange
 from pipeline.tts.phrases import PhraseCutter
 from pipeline.turn_taking import (
+    REQUESTED_UTTERANCE,
     Action,
     AnnounceFinal,
     AudioSent,
@@ -38,7 +40,9 @@ from pipeline.turn_taking import (
     PausePlayback,
     PlaybackReported,
     RecordExchange,
+    ReplyCancelled,
     ReplyDone,
+    ReplyRequested,
     ResumePlayback,
     ScoreEndOfTurn,
     SpeechStarted,
@@ -47,9 +51,12 @@ from pipeline.turn_taking import (
     Tick,
     TurnOver,
     TurnTaking,
+    TurnTakingOptions,
+    UserSaid,
     VoiceEnded,
     VoiceStarted,
     WordTimed,
+    heard_text,
 )
 from services import session_config
 from services.gateway import convert
@@ -58,14 +65,24 @@ from services.gateway.convert import Config, asr_pb, pb
 from services.gateway.ports import (
     AsrStream,
     AsrStreamClosed,
+    CancelReply,
+    ClearAudio,
     ClientAudio,
     ClientInput,
     Clock,
+    CommitAudio,
     EventSink,
+    HeardUntil,
+    InputCommitted,
+    Reconfigure,
     ReplyPiece,
+    RequestReply,
     SpeechEnd,
     TurnFailed,
     TurnRunner,
+    TurnStarted,
+    UserSpeech,
+    UserText,
 )
 from services.server import limits, metrics, tracing
 from services.server.stage_clock import StageClock
@@ -80,6 +97,10 @@ TICK_S = 0.02  # timers of the turn-taking machine (held turns, playout, pauses)
 KEPT_UTTERANCES = 8
 KEPT_UNHEARD_TURNS = 16
 KIND = asr_pb.TranscriptEvent
+# Turn detection off: a commit waits this long for the utterance still open to close (its final);
+# past it the utterance's latest partial is taken.
+COMMIT_WAIT_S = 2.0
+NOTICES = (UserSpeech, InputCommitted, TurnStarted)  # sink items that are no gateway ServerEvent
 SPOKEN = frozenset({"reply_text", "audio", "cue", "word", "viseme"})  # what of an interrupted turn is dropped
 
 
@@ -111,6 +132,7 @@ class TurnWork:
     speech_done: bool = False  # the speech stream ended (or the turn has none: caption mode)
     llm_queued: bool = False  # the llm work is on its queue (else nothing will end the token log)
     stop_workers: Callable[[], None] | None = None  # tells the turn's workers, wherever they run
+    words: list[WordTimed] = field(default_factory=list)  # the reply's words on its timeline, as tts placed them
 
     def cancel(self) -> None:
         """Stop the turn here, and its llm and tts work wherever it runs (within a step or a piece)."""
@@ -121,6 +143,16 @@ class TurnWork:
         stop_workers, self.stop_workers = self.stop_workers, None
         if stop_workers is not None and not (self.llm_done and self.speech_done):
             stop_workers()
+
+
+@dataclass(frozen=True)
+class HeardReply:
+    """A finished turn's exchange as the history holds it, and its words: a late truncate amends it."""
+
+    user_text: str
+    words: tuple[WordTimed, ...]
+    heard_text: str  # as recorded ("": nothing recorded)
+    cut_off: bool
 
 
 @dataclass
@@ -134,17 +166,23 @@ class Ports:
 class Conversation:
     """The state of one conversation. Drive it with `run(inputs)`; read what the client gets from `events()`."""
 
-    def __init__(self, session_id: str, config: Any, audio_format: Any, settings: Settings, ports: Ports) -> None:
+    def __init__(self, session_id: str, config: Any, audio_format: Any, settings: Settings, ports: Ports,
+                 speech_notices: bool = False) -> None:
         self.session_id = session_id
         self.config = config
         self.settings = settings
         self.asr, self.turns, self.sink, self.clock = ports.asr, ports.turns, ports.sink, ports.clock
         self.arrivals = AudioArrivalClock(audio_format, self.clock)
-        options = settings.turn_taking
-        self.machine = TurnTaking(dataclasses.replace(
-            options, backchannels=session_config.backchannels(config, options.backchannels),
-            backchannel_max_words=config.backchannel_max_words or options.backchannel_max_words,
-        ), caption_mode=config.mode == Config.CAPTION)
+        self.machine = TurnTaking(self._machine_options(settings.turn_taking),
+                                  caption_mode=config.mode == Config.CAPTION)
+        # The asr's voice and finals take turns (else only the client's commits and requests do).
+        self.auto_turns = True
+        self.speech_notices = speech_notices  # UserSpeech and InputCommitted go to the sink too
+        self._controls: asyncio.Queue[ClientInput] = asyncio.Queue()  # client requests, carried out in order
+        self._open_utterance: int | None = None  # speech started, its final not yet here
+        self._uncommitted: list[str] = []  # turn detection off: finals not yet committed
+        self._committed_early: collections.deque[int] = collections.deque(maxlen=KEPT_UTTERANCES)
+        self.heard_replies: collections.OrderedDict[str, HeardReply] = collections.OrderedDict()
         self.work: dict[str, TurnWork] = {}
         self.finals: dict[int, Any] = {}  # the latest transcript of each recent utterance
         self.budget_misses = 0
@@ -166,12 +204,19 @@ class Conversation:
     def now_s(self) -> float:
         return self.clock.now_s()
 
+    def _machine_options(self, options: TurnTakingOptions) -> TurnTakingOptions:
+        """The machine's options: the session's backchannels over `options`."""
+        return dataclasses.replace(
+            options, backchannels=session_config.backchannels(self.config, options.backchannels),
+            backchannel_max_words=self.config.backchannel_max_words or options.backchannel_max_words)
+
     # -- the conversation's life -----------------------------------------------------------
 
     async def run(self, inputs: AsyncIterator[ClientInput]) -> None:
         """Until the client's input and the ASR stream end and the last turns play out; its end (or
         the error that ended it) goes to the sink."""
         ticker = asyncio.create_task(self._tick())
+        controls = asyncio.create_task(self._carry_out_controls())
         if self.config.mode != Config.CAPTION:
             self._in_background(self.turns.prepare(""))  # the conversation so far, while the user starts
         try:
@@ -193,6 +238,7 @@ class Conversation:
             await self.sink.put(e)
         finally:
             ticker.cancel()
+            controls.cancel()
 
     async def events(self) -> AsyncIterator[Any]:
         """The client's events (gateway ServerEvents) in order until the end; raises what ended the
@@ -202,6 +248,9 @@ class Conversation:
                 raise failure
             if isinstance(event, BaseException):
                 raise event
+            if isinstance(event, NOTICES):
+                yield event
+                continue
             if event.turn_id in self.unheard and event.WhichOneof("event") in SPOKEN:
                 continue  # a barge-in: no audio of the old turn after its interrupt
             yield event
@@ -231,6 +280,10 @@ class Conversation:
                     case ClientAudio(data=data):
                         self.arrivals.received(data)
                         await self.asr.send_audio(data)
+                    case Reconfigure():  # at once, in order with the audio: it decides what the next words do
+                        self._reconfigure(item)
+                    case _:  # a request: carried out in order, while the audio flows on (a commit waits for it)
+                        self._controls.put_nowait(item)
             await self.asr.finish()
         except ValueError as e:
             self._input_error = e
@@ -242,12 +295,15 @@ class Conversation:
         kind = event.kind
         if kind in (KIND.PARTIAL, KIND.FINAL) and event.speech_end_s:
             limits.check_utterance(self.settings.limits, event.speech_start_s, event.speech_end_s)
-        if kind == KIND.VOICE_STARTED:
+        if kind == KIND.VOICE_STARTED and self.auto_turns:
             await self.handle(VoiceStarted())
-        elif kind == KIND.VOICE_ENDED:
+        elif kind == KIND.VOICE_ENDED and self.auto_turns:
             await self.handle(VoiceEnded())
         elif kind == KIND.SPEECH_STARTED:
-            await self.handle(SpeechStarted(event.utterance_index))
+            self._open_utterance = event.utterance_index
+            self._notice(UserSpeech(event.utterance_index, True, event.speech_start_s))
+            if self.auto_turns:
+                await self.handle(SpeechStarted(event.utterance_index))
         elif kind == KIND.PARTIAL:
             await self.sink.put(pb.ServerEvent(transcript=convert.transcript(event, final=False)))
             self._keep_transcript(event)
@@ -258,11 +314,18 @@ class Conversation:
             # The pass at the first silence is the one the final reuses (asr_stream), so its words,
             # committed or not, are the final's if the silence lasts: the reply may start from them.
             stable = self.settings.preemptive_generation and event.speech_ending and bool(event.text.strip())
-            await self.handle(Partial(event.utterance_index, event.text, stable))
+            if self.auto_turns:
+                await self.handle(Partial(event.utterance_index, event.text, stable))
         elif kind == KIND.FINAL:
             self._keep_transcript(event)
-            words = tuple((w.text, w.probability) for w in event.words)
-            await self.handle(Final(event.utterance_index, event.text, words))
+            if self._open_utterance == event.utterance_index:
+                self._open_utterance = None
+            if self.auto_turns:
+                words = tuple((w.text, w.probability) for w in event.words)
+                await self.handle(Final(event.utterance_index, event.text, words))
+            elif event.text.strip() and event.utterance_index not in self._committed_early:
+                self._uncommitted.append(event.text.strip())
+            self._notice(UserSpeech(event.utterance_index, False, event.speech_end_s, event.text.strip()))
 
     def _provisional_caption(self, partial: Any) -> None:
         """Caption mode: the utterance's committed words, each time they change (more of them, or, at the
@@ -273,6 +336,10 @@ class Conversation:
             self._provisional_words[partial.utterance_index] = shown
             caption = convert.provisional_caption(partial.utterance_index, committed, self.settings.captions)
             self.sink.put_nowait(pb.ServerEvent(caption=caption))
+
+    def _notice(self, notice: UserSpeech | InputCommitted | TurnStarted) -> None:
+        if self.speech_notices:
+            self.sink.put_nowait(notice)
 
     def _keep_transcript(self, event: Any) -> None:
         self.finals[event.utterance_index] = event
@@ -346,13 +413,17 @@ class Conversation:
 
     async def _open_work(self, turn_id: str, user_text: str, utterance: int, mode: str) -> TurnWork | None:
         """The turn's record (past the session's turn limit the conversation ends instead), its work."""
-        transcript = self.finals[utterance]
+        if utterance == REQUESTED_UTTERANCE:  # asked for by the client: its budget runs from the request
+            transcript, asked_ms = asr_pb.TranscriptEvent(kind=KIND.FINAL, text=user_text), self.clock.unix_ms()
+        else:
+            transcript = self.finals[utterance]
+            asked_ms = self.arrivals.arrival_ms(transcript.speech_end_s)
         try:
             await self.turns.open(turn_id)
         except limits.LimitExceededError as e:  # the conversation's length: past it the stream ends
             self.sink.put_nowait(e)
             return None
-        work = TurnWork(turn_id, user_text, transcript, self.arrivals.arrival_ms(transcript.speech_end_s), mode=mode,
+        work = TurnWork(turn_id, user_text, transcript, asked_ms, mode=mode,
                         span=tracing.TurnSpan(self.session_id, turn_id, mode),
                         phrases=PhraseCutter(self.settings.phrases))
         work.clock.received()
@@ -362,6 +433,7 @@ class Conversation:
         return work
 
     async def _start_turn(self, action: StartTurn) -> None:
+        self._notice(TurnStarted(action.turn_id, action.utterance == REQUESTED_UTTERANCE))
         work = await self._open_work(action.turn_id, action.user_text, action.utterance, "dialogue")
         if work is not None:
             work.tasks.append(asyncio.create_task(self._run_turn(work), context=work.span.context()))
@@ -431,7 +503,9 @@ class Conversation:
             elif kind in ("cue", "word"):
                 cue = convert.speech_cue(getattr(item, kind))
                 if kind == "word":
-                    await self.handle(WordTimed(work.turn_id, cue.text, cue.start_s, cue.end_s))
+                    word = WordTimed(work.turn_id, cue.text, cue.start_s, cue.end_s)
+                    work.words.append(word)
+                    await self.handle(word)
                 await work.outbox.put(pb.ServerEvent(turn_id=work.turn_id, **{kind: cue}))
             elif kind == "viseme":  # on the audio's timeline, just before the chunk it starts in
                 await work.outbox.put(pb.ServerEvent(turn_id=work.turn_id, viseme=item.viseme))
@@ -467,8 +541,9 @@ class Conversation:
         work = self.work.get(action.turn_id)
         if work is None:
             return
-        if self.settings.turn_taking.end_of_turn_threshold <= 0:
-            return  # silence alone decides: the machine confirms without a score
+        threshold = self.machine.options.end_of_turn_threshold
+        if threshold <= 0 or threshold > 1:
+            return  # silence alone decides (at once, or after incomplete_wait_s): the machine needs no score
         work.tasks.append(asyncio.create_task(self._end_of_turn(work, action), context=work.span.context()))
 
     async def _end_of_turn(self, work: TurnWork, action: ScoreEndOfTurn) -> None:
@@ -523,10 +598,85 @@ class Conversation:
         self.degradations += sum(len(s.degradations) for s in work.stage_times)
         if over.finish_reason in ("interrupted", "cancelled"):
             self.unheard.append(over.turn_id)
+        if work.mode == "dialogue":
+            self.heard_replies[over.turn_id] = HeardReply(work.user_text, tuple(work.words), over.heard_text.strip(),
+                                                          over.cut_off)
+            while len(self.heard_replies) > KEPT_UNHEARD_TURNS:
+                self.heard_replies.popitem(last=False)
         report = convert.turn_report(work, over, self.config, self.budget_misses, self.degradations)
         metrics.observe_turn(report, work.first_phrase_unix_ms)
         work.span.end(finish_reason=over.finish_reason, voice_to_voice_ms=voice_ms, budget_missed=work.budget_missed)
         self.sink.put_nowait(pb.ServerEvent(turn_id=work.turn_id, report=report))
+
+    # -- the client's requests (a protocol with client-driven turns) -------------------------
+
+    async def _carry_out_controls(self) -> None:
+        """The client's requests in the order it made them; one that fails is logged, the conversation goes on."""
+        while True:
+            item = await self._controls.get()
+            try:
+                await self._carry_out(item)
+            except Exception as e:  # noqa: BLE001 - a history amend with the store away, say
+                log.warning("session %s: %s failed: %s", self.session_id, type(item).__name__, e)
+
+    async def _carry_out(self, item: ClientInput) -> None:
+        match item:
+            case UserText(text=text):
+                await self.handle(UserSaid(text))
+            case CommitAudio():
+                await self._commit()
+            case ClearAudio():
+                self._uncommitted.clear()
+                if self._open_utterance is not None:
+                    self._committed_early.append(self._open_utterance)
+            case RequestReply():
+                await self.handle(ReplyRequested())
+            case CancelReply():
+                await self.handle(ReplyCancelled())
+            case HeardUntil():
+                await self._heard_until(item)
+
+    def _reconfigure(self, item: Reconfigure) -> None:
+        self.config, self.auto_turns = item.config, item.auto_turns
+        self.turns.configure(item.config)
+        self.machine.options = self._machine_options(item.turn_taking)
+
+    async def _commit(self) -> None:
+        """Turn detection off: the speech so far becomes the user's words (an utterance still open is
+        waited for up to COMMIT_WAIT_S, then taken as its latest partial has it)."""
+        waited_s = 0.0
+        while self._open_utterance is not None and waited_s < COMMIT_WAIT_S:
+            await self.clock.sleep(TICK_S)
+            waited_s += TICK_S
+        words = list(self._uncommitted)
+        if (open_utterance := self._open_utterance) is not None:
+            if (partial := self.finals.get(open_utterance)) is not None and partial.text.strip():
+                words.append(partial.text.strip())
+            self._committed_early.append(open_utterance)  # its final, later, is not taken again
+        self._uncommitted.clear()
+        text = " ".join(words)
+        self._notice(InputCommitted(text))
+        if text:
+            await self.handle(UserSaid(text))
+
+    async def _heard_until(self, item: HeardUntil) -> None:
+        """A reply still playing ends where the client stopped it; one over has its history amended to
+        the words heard there (the machine recorded its own estimate at the interruption)."""
+        current = self.machine.turn
+        if current is not None and current.turn_id == item.turn_id:
+            await self.handle(PlaybackReported(item.turn_id, item.heard_until_s))
+            await self.handle(ReplyCancelled())
+            return
+        reply = self.heard_replies.get(item.turn_id)
+        if reply is None:
+            return
+        heard = heard_text(list(reply.words), item.heard_until_s)
+        if heard == reply.heard_text:
+            return
+        cut_off = heard != heard_text(list(reply.words), float("inf"))
+        await self.turns.amend(Exchange(reply.user_text, reply.heard_text, reply.cut_off) if reply.heard_text else None,
+                               Exchange(reply.user_text, heard, cut_off) if heard else None)
+        self.heard_replies[item.turn_id] = dataclasses.replace(reply, heard_text=heard, cut_off=cut_off)
 
     # -- caption mode ----------------------------------------------------------------------
 

@@ -4,8 +4,10 @@ A conversation needs four things from outside: an ASR stream (the user's audio i
 events out), a turn runner (a turn's llm and tts work started and read back, the session's
 history and the llm's side calls), an event sink (what the client is to get, in order) and a
 clock. services/gateway/stages.py implements the first two over gRPC and Redis; a transport
-(the gRPC `Converse` in service.py) supplies the sink; tests/unit/test_conversation_ports.py
-wires in-memory fakes and pushes events through in virtual time.
+(the gRPC `Converse` in service.py, the Realtime WebSocket in realtime.py) supplies the sink;
+tests/unit/test_conversation_ports.py wires in-memory fakes and pushes events through in virtual time.
+A protocol whose client drives turns itself (the Realtime API) also sends the requests below
+(typed words, commits, reply requests and cancels, heard positions), and may ask for speech notices.
 
 Payloads are the project's wire messages (asr's TranscriptEvent, tts's SpeechEvent, the
 gateway's ServerEvent): they are the stages' shared vocabulary, and a transport that speaks
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pipeline.llm.prompts import Exchange
-from pipeline.turn_taking import PlaybackReported
+from pipeline.turn_taking import PlaybackReported, TurnTakingOptions
 
 
 class TurnFailed(Exception):
@@ -42,9 +44,87 @@ class ClientAudio:
     data: bytes
 
 
-# The client's input: audio, or a report of where its playback of a turn's audio is (the machine's
-# own event, handed to it as it is).
-ClientInput = ClientAudio | PlaybackReported
+@dataclass(frozen=True)
+class UserText:
+    """Words the user typed (a Realtime text item): the next reply answers them."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class CommitAudio:
+    """Turn detection off: the user's speech so far is a turn's words (the Realtime API's
+    `input_audio_buffer.commit`); an utterance still open is waited for, briefly."""
+
+
+@dataclass(frozen=True)
+class ClearAudio:
+    """Turn detection off: the user's speech not yet committed is dropped."""
+
+
+@dataclass(frozen=True)
+class RequestReply:
+    """Answer now (`response.create`), whatever the turn detection."""
+
+
+@dataclass(frozen=True)
+class CancelReply:
+    """Stop the current reply (`response.cancel`)."""
+
+
+@dataclass(frozen=True)
+class HeardUntil:
+    """The client played turn `turn_id` up to `heard_until_s` of its timeline and stopped there (the
+    Realtime API's `conversation.item.truncate`): a reply still playing ends there; one already over has
+    its exchange in the history amended to the words heard by then."""
+
+    turn_id: str
+    heard_until_s: float
+
+
+@dataclass(frozen=True)
+class Reconfigure:
+    """The session's config changed mid-stream (`session.update`): later turns use it. `turn_taking`
+    is the base of the machine's options (the config's backchannels go over it); `auto_turns` off: the
+    asr's voice and finals take no turn, only CommitAudio and RequestReply do."""
+
+    config: Any  # a resolved gateway SessionConfig
+    turn_taking: TurnTakingOptions
+    auto_turns: bool = True
+
+
+# The client's input: audio, a report of where its playback of a turn's audio is (the machine's own
+# event, handed to it as it is), or one of the requests a protocol with client-driven turns makes.
+ClientInput = (ClientAudio | PlaybackReported | UserText | CommitAudio | ClearAudio | RequestReply | CancelReply
+               | HeardUntil | Reconfigure)
+
+
+@dataclass(frozen=True)
+class UserSpeech:
+    """What the asr heard of the user's voice, for a transport whose protocol reports it (the Realtime
+    API's `speech_started` / `speech_stopped`): given to the sink only when the conversation's
+    `speech_notices` is on; no gRPC ServerEvent."""
+
+    utterance: int
+    started: bool  # speech began; else the utterance closed (its final)
+    audio_s: float  # where, in the input audio's timeline
+    text: str = ""  # the final's
+
+
+@dataclass(frozen=True)
+class TurnStarted:
+    """A turn's reply began (with `speech_notices`): `requested` where a RequestReply asked for it, so a
+    transport can tie the reply to the request."""
+
+    turn_id: str
+    requested: bool
+
+
+@dataclass(frozen=True)
+class InputCommitted:
+    """Turn detection off: a CommitAudio took these words (maybe none) as the user's turn; with `speech_notices`."""
+
+    text: str
 
 
 @dataclass(frozen=True)
@@ -116,6 +196,12 @@ class TurnRunner(Protocol):
 
     async def end_of_turn(self, user_text: str) -> float:
         """The probability that `user_text` is a finished turn (1.0 when it cannot be scored)."""
+
+    def configure(self, config: Any) -> None:
+        """Later turns and side calls use this session config (a Reconfigure)."""
+
+    async def amend(self, old: Exchange | None, new: Exchange | None) -> None:
+        """Replace the session history's latest `old` exchange by `new` (None: none recorded / remove it)."""
 
 
 class EventSink(Protocol):

@@ -69,13 +69,25 @@ class GatewayServicer(pb_grpc.GatewayServicer):
             config = pb.SessionConfig()
             config.CopyFrom(request.config)
             config.system_prompt = config.system_prompt or request.system_prompt
-            resolved = session_config.resolve(config, await self.choices(), self.settings.turn_budget_ms)
-            self._cap_reply_tokens(config.max_reply_tokens, resolved)
-            session_id = await self.redis.sessions.create(resolved.system_prompt, session_config.to_json(resolved),
-                                                          owner=TENANT.get())
-            await limits.hold_session(self.redis.client, self.settings.limits, TENANT.get(), session_id,
-                                      self.settings.session_ttl_s)
+            session_id, resolved = await self.create_session(config)
             return pb.Session(session_id=session_id, config=resolved)
+
+    async def create_session(self, config: Any) -> tuple[str, Any]:
+        """A session of the calling tenant (TENANT): its config checked against what llm and tts offer,
+        defaults filled in, held against the tenant's session limit. Every transport creates sessions here."""
+        resolved = session_config.resolve(config, await self.choices(), self.settings.turn_budget_ms)
+        self._cap_reply_tokens(config.max_reply_tokens, resolved)
+        session_id = await self.redis.sessions.create(resolved.system_prompt, session_config.to_json(resolved),
+                                                      owner=TENANT.get())
+        await limits.hold_session(self.redis.client, self.settings.limits, TENANT.get(), session_id,
+                                  self.settings.session_ttl_s)
+        return session_id, resolved
+
+    def resolved(self, config: Any, choices: session_config.Choices) -> Any:
+        """`config` checked and with its defaults, as a session or stream would use it (ValueError naming a field)."""
+        resolved = session_config.resolve(config, choices, self.settings.turn_budget_ms)
+        self._cap_reply_tokens(config.max_reply_tokens, resolved)
+        return resolved
 
     def _cap_reply_tokens(self, asked: int, resolved) -> None:
         """Past limits.max_reply_tokens an ask is refused and a default is capped."""
@@ -87,31 +99,44 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     async def Converse(self, request_iterator, context: grpc.aio.ServicerContext) -> AsyncIterator:  # noqa: N802
         async with status_on_error(context, "gateway"):
             start = await _first_start(request_iterator)
-            logs.bind(session_id=start.session_id)
-            tenant = TENANT.get()  # a session is the tenant's that made it (the cluster's credential: any)
-            session = await self.redis.sessions.require(start.session_id,
-                                                        owner=None if tenant == INTERNAL_TENANT else tenant)
-            stored = session_config.from_json(session.get("config", ""))
-            config = session_config.resolve(session_config.merged(stored, start.overrides), await self.choices(),
-                                            self.settings.turn_budget_ms)
-            self._cap_reply_tokens(start.overrides.max_reply_tokens, config)
-            await limits.renew_session(self.redis.client, self.settings.limits, TENANT.get(), start.session_id,
-                                       self.settings.session_ttl_s)
-            events = EventQueue(self.settings.limits.max_queued_events)  # bounded: a slow client is cut off
-            conversation = Conversation(start.session_id, config, start.format, self.settings, Ports(
-                asr=GrpcAsrStream(self.stubs.asr, start.session_id, config.language, start.format),
-                turns=StageTurnRunner(self.settings, self.redis, self.queues, self.stubs.llm, start.session_id, config),
-                sink=events, clock=SystemClock()))
-            yield pb.ServerEvent(ready=pb.StreamReady(session_id=start.session_id, config=config))
-            runner = asyncio.create_task(conversation.run(_client_inputs(request_iterator)))
-            events.on_overflow = runner.cancel  # nothing more is made for a client that stopped reading
-            try:
-                async for event in conversation.events():
-                    yield event
-            finally:
-                runner.cancel()
-                await asyncio.gather(runner, return_exceptions=True)
-                await conversation.close()
+            conversation = await self.open_conversation(start.session_id, start.overrides, start.format)
+            yield pb.ServerEvent(ready=pb.StreamReady(session_id=start.session_id, config=conversation.config))
+            async for event in converse(conversation, _client_inputs(request_iterator)):
+                yield event
+
+    async def open_conversation(self, session_id: str, overrides: Any, audio_format: Any,
+                                speech_notices: bool = False) -> Conversation:
+        """A conversation on a session of the calling tenant, wired to the stages: the session's config
+        with this stream's overrides, checked; its expiry renewed. Every transport opens its streams here
+        (the gRPC Converse, the Realtime WebSocket) and drives them with `converse`."""
+        logs.bind(session_id=session_id)
+        tenant = TENANT.get()  # a session is the tenant's that made it (the cluster's credential: any)
+        session = await self.redis.sessions.require(session_id, owner=None if tenant == INTERNAL_TENANT else tenant)
+        stored = session_config.from_json(session.get("config", ""))
+        config = session_config.resolve(session_config.merged(stored, overrides), await self.choices(),
+                                        self.settings.turn_budget_ms)
+        self._cap_reply_tokens(overrides.max_reply_tokens, config)
+        await limits.renew_session(self.redis.client, self.settings.limits, tenant, session_id,
+                                   self.settings.session_ttl_s)
+        events = EventQueue(self.settings.limits.max_queued_events)  # bounded: a slow client is cut off
+        return Conversation(session_id, config, audio_format, self.settings, Ports(
+            asr=GrpcAsrStream(self.stubs.asr, session_id, config.language, audio_format),
+            turns=StageTurnRunner(self.settings, self.redis, self.queues, self.stubs.llm, session_id, config),
+            sink=events, clock=SystemClock()), speech_notices=speech_notices)
+
+
+async def converse(conversation: Conversation, inputs: AsyncIterator[ClientInput]) -> AsyncIterator[Any]:
+    """Drive `conversation` with the client's inputs; its events, in order, until it ends (raising what
+    ended it). Leaving early (the client went away) stops everything it started."""
+    runner = asyncio.create_task(conversation.run(inputs))
+    conversation.sink.on_overflow = runner.cancel  # nothing more is made for a client that stopped reading
+    try:
+        async for event in conversation.events():
+            yield event
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        await conversation.close()
 
 
 async def _first_start(request_iterator):

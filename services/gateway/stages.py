@@ -153,6 +153,12 @@ class StageTurnRunner:
     async def record(self, exchange: Exchange) -> None:
         await self.redis.sessions.append(self.session_id, exchange)
 
+    async def amend(self, old: Exchange | None, new: Exchange | None) -> None:
+        await self.redis.sessions.amend(self.session_id, old, new)
+
+    def configure(self, config: Any) -> None:
+        self.config = config
+
     async def prepare(self, user_text: str) -> None:
         try:
             await self.llm.Prepare(llm_pb.PrepareRequest(

@@ -54,7 +54,33 @@ class SessionStore:
 
     async def append(self, session_id: str, exchange: Exchange, keep: int = 20) -> None:
         key = history_key(session_id)
-        await self.redis.rpush(key, json.dumps({"user": exchange.user, "assistant": exchange.assistant,
-                                                "cut_off": exchange.cut_off}))
+        await self.redis.rpush(key, _entry(exchange))
         await self.redis.ltrim(key, -keep, -1)
         await self.redis.expire(key, self.ttl_s)
+
+    async def amend(self, session_id: str, old: Exchange | None, new: Exchange | None, keep: int = 20) -> None:
+        """The latest entry equal to `old` becomes `new` (removed where `new` is None); with no `old`,
+        `new` is appended. What the user heard of a reply, learnt after it was recorded (a Realtime
+        client's truncate arrives after the interruption)."""
+        if old is None:
+            if new is not None:
+                await self.append(session_id, new, keep)
+            return
+        key = history_key(session_id)
+        entries = await self.redis.lrange(key, 0, -1)
+        target = _entry(old)
+        for index in range(len(entries) - 1, -1, -1):
+            if entries[index] == target:
+                if new is None:  # LREM takes a value, not an index: mark the entry, then remove the mark
+                    await self.redis.lset(key, index, _REMOVED)
+                    await self.redis.lrem(key, 1, _REMOVED)
+                else:
+                    await self.redis.lset(key, index, _entry(new))
+                return
+
+
+_REMOVED = "\x00removed"
+
+
+def _entry(exchange: Exchange) -> str:
+    return json.dumps({"user": exchange.user, "assistant": exchange.assistant, "cut_off": exchange.cut_off})

@@ -3,7 +3,7 @@
 API keys as OpenAI clients send them (and as a browser's WebSocket must), refusals in OpenAI's JSON
 shape with the status the native API's would map to, the per-key rate, the body limit, an open
 health check, a port that cannot be bound named in the error, and the WebSockets closed with 1001
-when the gateway drains. The stages are not needed: none of these reach them.
+when the gateway drains. Only the drain needs the stages (a Realtime session is made on them).
 """
 
 from __future__ import annotations
@@ -121,18 +121,24 @@ async def test_a_taken_http_port_fails_the_start_naming_the_setting(redis_url):
                 pass
 
 
-async def test_a_drain_closes_open_websockets_with_1001(redis_url):
-    """A WebSocket route is needed: the Realtime API's, where it is built in (else skipped)."""
-    settings = settings_for(redis_url)
+async def test_a_drain_closes_open_websockets_with_1001(stack):
+    """A second gateway on the stack's stages and Valkey, a Realtime WebSocket open on it, then its drain:
+    the client is told 1001 (going away), so it reconnects elsewhere, rather than seeing the connection drop."""
+    settings = settings_for(stack["redis"]).model_copy(update={
+        "asr_address": stack["asr"], "llm_address": stack["llm"], "tts_address": stack["tts"]})
     url = f"ws://127.0.0.1:{settings.http_port}/v1/realtime"
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {OTHER_KEY}"}) as http:
         async with serve_one(settings, "gateway"):
-            try:
-                ws = await http.ws_connect(url)
-            except aiohttp.WSServerHandshakeError as e:
-                pytest.skip(f"no WebSocket route on this gateway ({e.status})")
-        message = await asyncio.wait_for(ws.receive(), 10)
-        while message.type == aiohttp.WSMsgType.TEXT:  # the session's first events, then the close
-            message = await asyncio.wait_for(ws.receive(), 10)
+            ws = await http.ws_connect(url)
+            first = await asyncio.wait_for(ws.receive_json(), 30)
+            assert first["type"] == "session.created", first
+            reader = asyncio.create_task(_read_until_closed(ws))  # answers the server's close frame
+        message = await asyncio.wait_for(reader, 30)  # the block's end drained the gateway
         assert message.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED), message
         assert ws.close_code == 1001, ws.close_code
+
+
+async def _read_until_closed(ws: aiohttp.ClientWebSocketResponse) -> aiohttp.WSMessage:
+    while (message := await ws.receive()).type == aiohttp.WSMsgType.TEXT:
+        pass
+    return message
