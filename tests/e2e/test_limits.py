@@ -30,8 +30,10 @@ _others = iter(t for t in TENANTS if t.startswith("other"))
 def another() -> str:
     """A tenant no test has used: it is under every limit."""
     return next(_others)
+# max_queued_events: room for a reply's first burst (its text, word cues, and the visemes and audio of the
+# lead ahead of playback: ~60 events) while this process also runs the four services' models.
 LIMITS = LimitOptions(max_streams_per_key=1, max_sessions_per_key=2, requests_per_s_per_key=0.05, burst_per_key=30,
-                      max_utterance_s=4.0, max_reply_tokens=48, max_turns_per_session=1, max_queued_events=40)
+                      max_utterance_s=4.0, max_reply_tokens=48, max_turns_per_session=1, max_queued_events=200)
 FORMAT = common.AudioFormat(encoding=common.AudioFormat.PCM_S16LE, sample_rate_hz=16_000, channels=1,
                             sample_width_bytes=2)
 
