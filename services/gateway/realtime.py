@@ -57,7 +57,7 @@ async def realtime(request: web.Request) -> web.WebSocketResponse:
     choices = await gateway.choices()  # failures here answer as HTTP errors, before the upgrade
     session_id = request.query.get("session_id", "")
     if not session_id:
-        session_id, _ = await gateway.create_session(Config())
+        session_id, _ = await gateway.create_session(Config(mode=_mode(request.query.get("mode", "dialogue"))))
     conversation = await gateway.open_conversation(session_id, Config(), INPUT_FORMAT, speech_notices=True)
     converter = RealtimeConverter(
         realtime_session.initial(session_id, conversation.config, settings.asr, request.query.get("model", "")),
@@ -87,6 +87,14 @@ async def realtime(request: web.Request) -> web.WebSocketResponse:
         writer.cancel()
         await ws.close()
     return ws
+
+
+def _mode(asked: str) -> int:
+    """`?mode=` of a new session: a connection's mode is its session's (the Realtime API has no field for it)."""
+    modes = {"dialogue": Config.DIALOGUE, "caption": Config.CAPTION}
+    if asked not in modes:
+        raise gateway_web.HttpError(400, f"mode {asked!r}: dialogue or caption", param="mode", code="invalid_value")
+    return modes[asked]
 
 
 def _asks_beta(request: web.Request) -> bool:

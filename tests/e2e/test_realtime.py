@@ -418,3 +418,34 @@ async def test_a_connection_takes_the_session_it_names(stack):
     async with aiohttp.ClientSession() as http, http.get(f"http://{stack['http']}/v1/realtime") as response:
         body = await response.json()
     assert response.status == 400 and body["error"]["code"] == "websocket_required"  # no upgrade: no session made
+
+
+async def test_a_caption_connection_gets_captions_of_the_speech_and_no_response(stack, speech):
+    """`?mode=caption` makes the connection's session a caption one (the Realtime API has no field for a
+    mode): the speaker's words come back as opt-in `specvox.caption` events, and no response is made."""
+    async with client(stack).realtime.connect(model="gpt-realtime", extra_query={"mode": "caption"}) as connection:
+        events = Events(connection)
+        try:
+            await events.until(lambda: events.of("session.created"))
+            await connection.send({"type": "session.update", "session": {
+                "type": "realtime", "specvox": {"extension_events": True}}})
+            await events.until(lambda: events.of("session.updated"))
+            with Mic(lambda pcm: connection.input_audio_buffer.append(audio=b64(pcm))) as mic:
+                mic.say(speech("What is the capital of France?", RATE))
+                await events.until(lambda: [e for e in events.of("specvox.caption") if not e.get("provisional")])
+        finally:
+            events.close()
+    final = [e for e in events.of("specvox.caption") if not e.get("provisional")][0]
+    assert "capital" in json.dumps(final).lower(), final
+    assert not events.of("response.created"), events.types()
+
+
+async def test_an_unknown_mode_is_refused_before_the_upgrade(stack):
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http, http.get(f"http://{stack['http']}/v1/realtime?mode=karaoke",
+                                                           headers={"Upgrade": "websocket", "Connection": "Upgrade",
+                                                                    "Sec-WebSocket-Version": "13",
+                                                                    "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}) as r:
+        body = await r.json()
+    assert r.status == 400 and body["error"]["param"] == "mode", body
