@@ -57,6 +57,12 @@ $(NODE_CLIENT)/node_modules/.installed: $(NODE_CLIENT)/package.json $(NODE_CLIEN
 	@if command -v npm >/dev/null; then cd $(NODE_CLIENT) && npm ci --no-audit --no-fund --ignore-scripts && touch node_modules/.installed; \
 	else echo "make: no npm, so the Node.js client tests will skip (CI fails them): install Node.js >= 18"; fi
 
+# Firefox for the browser page's test (tests/e2e/test_page.py): puppeteer-core drives Debian's firefox-esr over
+# WebDriver BiDi, no geckodriver (Debian has none). No install scripts: puppeteer-core downloads no browser.
+FIREFOX_CLIENT := tests/clients/firefox
+.PHONY: firefox-client
+firefox-client: $(FIREFOX_CLIENT)/node_modules/.installed
+
 # The real clients whose dependencies clash with specvox's own (Pipecat, LiveKit Agents): an env of their
 # own, .venv-clients (requirements/clients.txt), where tests run the scripts of tests/clients/. Without it
 # those tests skip, except in CI, where they fail. specvox itself is not installed there.
@@ -86,7 +92,7 @@ PYTEST_WORKERS := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist
 # tests come late in the suite and wait for it (tests/e2e/test_tts_coqui.py reads the status file).
 COQUI_LOG := $(COQUI_VENV).log
 COQUI_STATUS := $(COQUI_VENV).status
-test: lint node-client clients
+test: lint node-client firefox-client clients
 	@rm -f $(COQUI_STATUS)
 	@$(if $(COQUI),echo "make test: $(COQUI_VENV) builds beside the tests (log: $(COQUI_LOG))"; \
 	  ( $(MAKE) --no-print-directory $(COQUI) > $(COQUI_LOG) 2>&1; echo $$? > $(COQUI_STATUS) ) & ) \
@@ -110,4 +116,4 @@ up: install
 	$(BIN)/specvox up
 
 clean:
-	rm -rf $(VENV) $(COQUI_VENV) $(CLIENTS_VENV) services/gen $(NODE_CLIENT)/node_modules out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(COQUI_VENV) $(CLIENTS_VENV) services/gen $(NODE_CLIENT)/node_modules $(FIREFOX_CLIENT)/node_modules out .pytest_cache .mypy_cache .ruff_cache

@@ -18,6 +18,7 @@ BENCHMARKS = {  # the name on the command line -> the module under bench/
     "batch": "batch", "e2e": "e2e", "end-of-turn": "end_of_turn", "fuzz": "fuzz", "soak": "soak",
     "faults": "faults", "lossless": "lossless", "tts-allocator": "tts_allocator", "captions": "captions",
     "file-captions": "file_captions", "asr-finals": "asr_finals", "openai-http": "openai_http",
+    "page": "page", "surfaces": "surfaces",
 }
 
 

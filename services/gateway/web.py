@@ -33,6 +33,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from services.gateway import page
 from services.server import metrics, tracing
 from services.server.auth import TENANT, Authenticator, authenticator
 from services.server.errors import status_of
@@ -80,7 +81,7 @@ class WebContext:
 
 CONTEXT: web.AppKey[WebContext] = web.AppKey("context", WebContext)
 WEBSOCKETS: web.AppKey[weakref.WeakSet] = web.AppKey("websockets", weakref.WeakSet)
-ROUTE_MODULES = ("services.gateway.openai_http", "services.gateway.realtime")
+ROUTE_MODULES = ("services.gateway.openai_http", "services.gateway.realtime", "services.gateway.page")
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -171,6 +172,8 @@ def auth_middleware(auth: Authenticator | None):
     async def middleware(request: web.Request, handler):
         if auth is None or request.path == HEALTH_PATH:
             return await handler(request)
+        if request.method in ("GET", "HEAD") and page.is_open(request.path):
+            return await handler(request)  # the browser page's own files (services/gateway/page.py): no data in them
         key = presented_key(request)
         tenant, reason = auth.decide(request.path, [("authorization", f"Bearer {key}")] if key else [])
         if tenant is None:
@@ -264,7 +267,8 @@ def http_surfaces(settings: Any, port: str | int = "") -> list[str]:
         settings = settings.model_copy(update={"http_port": int(port)})
     base, ws = http_url(settings), http_url(settings, websocket=True)
     return [f"{base}/v1  (OpenAI HTTP: chat/completions, models, audio/transcriptions, audio/speech)",
-            f"{ws}/v1/realtime  (OpenAI Realtime API)"]
+            f"{ws}/v1/realtime  (OpenAI Realtime API)",
+            f"{base}/  (the page: talk to the avatar in a browser)"]
 
 
 class HttpSurface:

@@ -443,9 +443,9 @@ async def test_a_caption_connection_gets_captions_of_the_speech_and_no_response(
 async def test_an_unknown_mode_is_refused_before_the_upgrade(stack):
     import aiohttp
 
-    async with aiohttp.ClientSession() as http, http.get(f"http://{stack['http']}/v1/realtime?mode=karaoke",
-                                                           headers={"Upgrade": "websocket", "Connection": "Upgrade",
-                                                                    "Sec-WebSocket-Version": "13",
-                                                                    "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}) as r:
+    upgrade = {"Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13",
+               "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}
+    async with aiohttp.ClientSession() as http, \
+            http.get(f"http://{stack['http']}/v1/realtime?mode=karaoke", headers=upgrade) as r:
         body = await r.json()
     assert r.status == 400 and body["error"]["param"] == "mode", body
