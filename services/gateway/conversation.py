@@ -673,7 +673,9 @@ class Conversation:
         heard = heard_text(list(reply.words), item.heard_until_s)
         if heard == reply.heard_text:
             return
-        cut_off = heard != heard_text(list(reply.words), float("inf"))
+        # An interrupted reply stays cut off however much of what was spoken the client heard; a finished one
+        # is cut off where the client heard less than all of it.
+        cut_off = reply.cut_off or heard != heard_text(list(reply.words), float("inf"))
         await self.turns.amend(Exchange(reply.user_text, reply.heard_text, reply.cut_off) if reply.heard_text else None,
                                Exchange(reply.user_text, heard, cut_off) if heard else None)
         self.heard_replies[item.turn_id] = dataclasses.replace(reply, heard_text=heard, cut_off=cut_off)

@@ -22,9 +22,9 @@ from pipeline.audio import PcmFormat, float_to_pcm16
 from services.client import ClientOptions, Say, converse_script
 from services.protos import load, load_common
 from services.store.client import connect
-from services.store.sessions import SessionStore
 from services.store.turn_log import read_token_stream
 from tests.grpc_status import expect_status
+from tests.session_history import history
 
 pytestmark = pytest.mark.e2e
 gw, gw_grpc = load("gateway")
@@ -41,14 +41,6 @@ async def talk(stack, says: list[Say], **config) -> list:
     options = ClientOptions(chunk_ms=40, wait_for_replies=True, trailing_silence_s=0.5,
                             config=gw.SessionConfig(**config))
     return await asyncio.wait_for(converse_script(stack["gateway"], says, FMT, options), 150)
-
-
-async def history(stack, session_id: str):
-    redis = connect(stack["redis"])
-    try:
-        return await SessionStore(redis).history(session_id)
-    finally:
-        await redis.aclose()
 
 
 def answered(turns: list) -> list:

@@ -22,8 +22,7 @@ from openai import AsyncOpenAI
 
 from pipeline import g711
 from pipeline.audio import float_to_pcm16
-from services.store.client import connect
-from services.store.sessions import SessionStore
+from tests.session_history import history
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,12 +122,22 @@ class Events:
         self.task.cancel()
 
 
-async def history(stack, session_id: str):
-    redis = connect(stack["redis"])
-    try:
-        return await SessionStore(redis).history(session_id)
-    finally:
-        await redis.aclose()
+async def ask_for_a_story(connection: Any, events: Events) -> str:
+    """A session with extension events (the reply's word cues) and room for a long reply; its id."""
+    created = await events.until(lambda: events.of("session.created"))
+    await connection.session.update(session={"type": "realtime", "max_output_tokens": 96,
+                                             "specvox": {"extension_events": True}})
+    return created[0]["session"]["id"]
+
+
+async def story_interrupted(events: Events, mic: Mic, speech, after_s: float) -> list[dict]:
+    """A long story asked for, then a question said over it `after_s` into its audio; the cancelled response."""
+    mic.say(speech("Tell me a long story about a brave little dragon.", RATE))
+    await events.until(lambda: events.of("response.output_audio.delta"))
+    await asyncio.sleep(after_s)
+    mic.say(speech("Stop, what is the capital of Spain?", RATE))
+    return await events.until(lambda: [e for e in events.of("response.done")
+                                       if e["response"]["status"] == "cancelled"])
 
 
 def b64(data: bytes) -> str:
@@ -174,17 +183,9 @@ async def test_a_barge_in_cancels_the_response_and_the_truncate_leaves_the_heard
     async with client(stack).realtime.connect(model="gpt-realtime") as connection:
         events = Events(connection)
         try:
-            created = await events.until(lambda: events.of("session.created"))
-            session_id = created[0]["session"]["id"]
-            await connection.session.update(session={"type": "realtime", "max_output_tokens": 96,
-                                                     "specvox": {"extension_events": True}})
+            session_id = await ask_for_a_story(connection, events)
             with Mic(lambda pcm: connection.input_audio_buffer.append(audio=b64(pcm))) as mic:
-                mic.say(speech("Tell me a long story about a brave little dragon.", RATE))
-                await events.until(lambda: events.of("response.output_audio.delta"))
-                await asyncio.sleep(1.5)
-                mic.say(speech("Stop, what is the capital of Spain?", RATE))
-                cancelled = await events.until(lambda: [e for e in events.of("response.done")
-                                                        if e["response"]["status"] == "cancelled"])
+                cancelled = await story_interrupted(events, mic, speech, after_s=1.5)
                 # The client stops playing at speech_started (as Pipecat does) and says where: here, at the
                 # end of the reply's second word (its loudspeaker runs late), less than the server reckoned.
                 first_response = cancelled[0]["response"]["id"]
@@ -220,17 +221,9 @@ async def test_a_truncate_after_the_barge_in_amends_the_history(stack, speech):
     async with client(stack).realtime.connect(model="gpt-realtime") as connection:
         events = Events(connection)
         try:
-            created = await events.until(lambda: events.of("session.created"))
-            session_id = created[0]["session"]["id"]
-            await connection.session.update(session={"type": "realtime", "max_output_tokens": 96,
-                                                     "specvox": {"extension_events": True}})
+            session_id = await ask_for_a_story(connection, events)
             with Mic(lambda pcm: connection.input_audio_buffer.append(audio=b64(pcm))) as mic:
-                mic.say(speech("Tell me a long story about a brave little dragon.", RATE))
-                await events.until(lambda: events.of("response.output_audio.delta"))
-                await asyncio.sleep(2.0)
-                mic.say(speech("Stop, what is the capital of Spain?", RATE))
-                cancelled = await events.until(lambda: [e for e in events.of("response.done")
-                                                        if e["response"]["status"] == "cancelled"])
+                cancelled = await story_interrupted(events, mic, speech, after_s=2.0)
                 report = await events.until(lambda: [e for e in events.of("specvox.turn.report")
                                                      if e["response_id"] == cancelled[0]["response"]["id"]])
                 response = cancelled[0]["response"]
