@@ -116,8 +116,27 @@ test-fast: install
 llama-bench: install
 	PYTHON=$(BIN)/python bash bench/build_llama_bench.sh
 
+# docker/ for real: the image built, docker/compose.yaml brought up (llm and tts at 2 replicas), a spoken
+# turn, an llm container killed mid-reply (tests/containers). Not in `make test`: it needs a container engine
+# and root (podman here, docs/operations.md) and 6-7 minutes on 2 cores. With no registry the base image
+# is debootstrapped once (docker/make-base.sh); where one is reachable: make test-containers CONTAINER_BASE=debian:bookworm-slim
+CONTAINERS_VENV ?= .venv-containers
+CONTAINER_BASE ?= localhost/specvox-base:bookworm
+.PHONY: test-containers
+test-containers: install $(CONTAINERS_VENV)/.installed
+	@if [ "$(CONTAINER_BASE)" = "localhost/specvox-base:bookworm" ] && ! podman image exists $(CONTAINER_BASE); then \
+	  docker/make-base.sh $(CONTAINER_BASE); fi
+	CONTAINERS_CONF=$(abspath docker/containers.conf) SPECVOX_CONTAINERS=1 SPECVOX_BASE=$(CONTAINER_BASE) \
+	  $(BIN)/python -m pytest tests/containers -m containers -v
+
+# podman-compose (docker/compose.yaml under podman), in an env of its own
+$(CONTAINERS_VENV)/.installed: requirements/containers.txt
+	$(PYTHON) -m venv $(CONTAINERS_VENV)
+	$(CONTAINERS_VENV)/bin/pip install --quiet -r requirements/containers.txt
+	touch $@
+
 up: install
 	$(BIN)/specvox up
 
 clean:
-	rm -rf $(VENV) $(COQUI_VENV) $(CLIENTS_VENV) services/gen $(NODE_CLIENT)/node_modules $(FIREFOX_CLIENT)/node_modules out .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(COQUI_VENV) $(CLIENTS_VENV) $(CONTAINERS_VENV) services/gen $(NODE_CLIENT)/node_modules $(FIREFOX_CLIENT)/node_modules out .pytest_cache .mypy_cache .ruff_cache
