@@ -172,7 +172,7 @@ def auth_middleware(auth: Authenticator | None):
     async def middleware(request: web.Request, handler):
         if auth is None or request.path == HEALTH_PATH:
             return await handler(request)
-        if request.method in ("GET", "HEAD") and page.is_open(request.path):
+        if _is_page_file(request):
             return await handler(request)  # the browser page's own files (services/gateway/page.py): no data in them
         key = presented_key(request)
         tenant, reason = auth.decide(request.path, [("authorization", f"Bearer {key}")] if key else [])
@@ -189,8 +189,8 @@ def auth_middleware(auth: Authenticator | None):
 def limits_middleware(limits: TenantLimits | None):
     @web.middleware
     async def middleware(request: web.Request, handler):
-        if limits is None or request.path == HEALTH_PATH:
-            return await handler(request)
+        if limits is None or request.path == HEALTH_PATH or _is_page_file(request):
+            return await handler(request)  # the page's files are no tenant's calls: they share no bucket
         tenant = TENANT.get()
         try:
             await limits.check_rate(tenant)
@@ -203,6 +203,10 @@ def limits_middleware(limits: TenantLimits | None):
             return await handler(request)
 
     return middleware
+
+
+def _is_page_file(request: web.Request) -> bool:
+    return request.method in ("GET", "HEAD") and page.is_open(request.path)
 
 
 def _is_websocket(request: web.Request) -> bool:

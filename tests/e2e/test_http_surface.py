@@ -111,6 +111,16 @@ async def test_the_per_key_rate_is_429_for_that_key_only(gateway):
             assert r.status == 404  # another key is under its own rate
 
 
+async def test_the_pages_files_load_past_any_keys_rate(gateway):
+    """The browser page's files are served without a key and count against no tenant's rate (a burst of 6 here):
+    a page loads its dozen files at once."""
+    async with aiohttp.ClientSession() as http:
+        for _ in range(3):
+            for path in ("/", "/static/app.js", "/static/face.js", "/static/style.css"):
+                async with http.get(f"{gateway}{path}") as r:
+                    assert r.status == 200, (path, r.status)
+
+
 async def test_a_taken_http_port_fails_the_start_naming_the_setting(redis_url):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
