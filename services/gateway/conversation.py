@@ -199,6 +199,7 @@ class Conversation:
         self._provisional_words: dict[int, tuple[str, ...]] = {}  # caption mode: utterance -> committed words shown
         self._caption_slots = asyncio.Semaphore(max(1, settings.caption_turns_per_session))
         self._captions_end_s = -1.0  # caption mode: where the lines sent so far end (the next start after it)
+        self._last_caption_placed: asyncio.Future | None = None  # caption mode: done once the newest turn's is placed
         metrics.track_conversation(self)
 
     def now_s(self) -> float:
@@ -690,11 +691,25 @@ class Conversation:
         if final.HasField("times"):
             work.stage_times.append(final.times)
         self.sink.put_nowait(pb.ServerEvent(turn_id=work.turn_id, transcript=convert.transcript(final, final=True)))
-        work.tasks.append(asyncio.create_task(self._run_caption(work), context=work.span.context()))
+        earlier_placed, placed = self._last_caption_placed, asyncio.get_running_loop().create_future()
+        self._last_caption_placed = placed
+        work.tasks.append(asyncio.create_task(self._run_caption(work, earlier_placed, placed),
+                                              context=work.span.context()))
 
-    async def _run_caption(self, work: TurnWork) -> None:
+    async def _run_caption(self, work: TurnWork, earlier_placed: asyncio.Future | None,
+                           placed: asyncio.Future) -> None:
         """The transcript cleaned by the llm, each caption word placed on the input's timeline; the
-        turn ends through the machine (CaptionDone)."""
+        turn ends through the machine (CaptionDone). Utterances are cleaned side by side but placed in
+        the order they were spoken (`earlier_placed`, then `placed`): a later one cleaned first would
+        otherwise take the timeline first and push the earlier one's cues after its own."""
+        try:
+            await self._clean_and_place_caption(work, earlier_placed)
+        finally:
+            if not placed.done():
+                placed.set_result(None)
+        await self.handle(CaptionDone(work.turn_id, work.finish_reason or "eos"))
+
+    async def _clean_and_place_caption(self, work: TurnWork, earlier_placed: asyncio.Future | None) -> None:
         try:
             async with self._caption_slots:
                 work.llm_queued = True
@@ -702,6 +717,8 @@ class Conversation:
                     self.config, self.session_id, work.turn_id, work.user_text, work.speech_end_unix_ms, "caption"))
                 async for _ in self._reply_pieces(work, "caption"):
                     pass
+            if earlier_placed is not None:
+                await asyncio.shield(earlier_placed)
             # a caption cut at its token limit would lose the words after the cut: the transcript says them all
             cut = work.finish_reason == "length"
             text = " ".join((work.user_text if cut else work.reply_text).split()) or work.user_text
@@ -715,4 +732,3 @@ class Conversation:
             self.sink.put_nowait(pb.ServerEvent(turn_id=work.turn_id, caption=caption))
         except TurnFailed as e:
             work.finish_reason, work.error = "error", str(e)
-        await self.handle(CaptionDone(work.turn_id, work.finish_reason or "eos"))

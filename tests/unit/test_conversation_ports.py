@@ -106,8 +106,8 @@ def words(text: str, start_s: float = 1.0, probability: float = 0.9) -> list:
             for i, w in enumerate(text.split())]
 
 
-def final(utterance: int, text: str, probability: float = 0.9) -> Any:
-    ws = words(text, probability=probability)
+def final(utterance: int, text: str, probability: float = 0.9, start_s: float = 1.0) -> Any:
+    ws = words(text, start_s, probability=probability)
     return asr_pb.TranscriptEvent(kind=KIND.FINAL, utterance_index=utterance, text=text, words=ws,
                                   speech_start_s=ws[0].start_s if ws else 0.0, speech_end_s=ws[-1].end_s if ws else 0.0,
                                   stability=1.0)
@@ -133,6 +133,7 @@ class FakeTurns:
         self.refuse_turns = False
         self.log_stalls = False
         self.clock: FakeClock | None = None  # when set, each chunk takes 0.4 s to synthesize
+        self.caption_times_s: list[float] = []  # how long each caption reply takes, in the order they start
 
     async def open(self, turn_id: str) -> None:
         if self.refuse_turns:
@@ -154,6 +155,8 @@ class FakeTurns:
         request = self.replies[turn_id]
         pieces = (["The", "meeting", "is", "at", "10."] if request.task == llm_pb.ReplyRequest.CAPTION
                   else list(self.reply_words))
+        if request.task == llm_pb.ReplyRequest.CAPTION and self.caption_times_s and self.clock is not None:
+            await self.clock.sleep(self.caption_times_s.pop(0))
         for i, word in enumerate(pieces):
             await asyncio.sleep(0)
             yield ReplyPiece(("" if i == 0 else " ") + word, 1, first=i == 0, cached_tokens=7 if i == 0 else 0)
@@ -372,6 +375,21 @@ async def test_a_caption_turn_cleans_the_transcript_and_places_it_on_the_input_t
     [report] = w.client.of("report", turn)
     assert (report.mode, report.finish_reason, report.error) == ("caption", "eos", "")
     assert not w.conversation.work and not w.conversation.machine.captions  # over through the machine
+
+
+async def test_captions_cleaned_out_of_order_are_placed_in_the_order_spoken(wired):
+    """Two utterances cleaned side by side, the later one first (a file sent unpaced): each caption still
+    sits on its own words' times, and they reach the client in the order spoken."""
+    turns = FakeTurns()
+    turns.caption_times_s = [1.0, 0.0]
+    w = wired(config=pb.SessionConfig(mode=Config.CAPTION), turns=turns)
+    await w.hear(kind_only(KIND.SPEECH_STARTED), final(0, "the meeting is at ten", start_s=1.0),
+                 kind_only(KIND.SPEECH_STARTED, 1), final(1, "the meeting is at ten", start_s=4.0))
+    await w.clock.advance(1.5)
+    captions = [c for c in w.client.of("caption") if not c.provisional]
+    assert [c.utterance_index for c in captions] == [0, 1]
+    assert captions[0].lines[0].start_s == pytest.approx(1.0)
+    assert captions[1].lines[0].start_s == pytest.approx(4.0)
 
 
 def partial(utterance: int, text: str, committed: int) -> Any:
