@@ -109,7 +109,10 @@ class AsrOptions:
     # A pass that ends in `loop_min_copies` or more copies of the same words in a row is whisper
     # in a loop ("and anthem. and anthem. and and anthem."): one copy is kept. 0: off.
     loop_min_copies: int = 3
-    max_utterance_s: float = 25.0  # forced close: Whisper sees at most 30 s
+    # Speech with no pause of end_of_speech_silence_ms is cut after this long, at its quietest point
+    # (Whisper sees at most 30 s). A stream may ask for less (StreamConfig.max_utterance_s): live
+    # captions are cleaned only once an utterance closes, so the gateway asks for captions.max_utterance_s.
+    max_utterance_s: float = 25.0
     # Encode only the audio and a second of silence after it instead of Whisper's whole 30 s
     # window: the encoder's cost falls with it (see encoder_samples). False: the 30 s window.
     trim_encoder_input: bool = True
@@ -228,6 +231,18 @@ def speech_spans(probs: np.ndarray, audio_samples: int, threshold: float, min_sp
     if start >= 0 and audio_samples - start > min_speech:
         spans.append({"start": start, "end": audio_samples})
     return spans
+
+
+def _quietest_cut(span: dict, probs: np.ndarray, longest: int) -> int:
+    """Where to cut an utterance that has run `longest` samples without a pause long enough to end it:
+    the quietest 96 ms (three VAD windows, least mean speech probability) in its second half, short of
+    its last 200 ms, so the cut falls between words and the part before it is at least half the cap."""
+    first = int(span["start"] + longest // 2) // VAD_WINDOW
+    last = min((span["end"] - SAMPLE_RATE_HZ // 5) // VAD_WINDOW, probs.size)
+    if last - first < 3:
+        return span["end"] // VAD_WINDOW * VAD_WINDOW
+    smoothed = np.convolve(probs[first:last], np.ones(3) / 3, mode="valid")
+    return (first + 1 + int(np.argmin(smoothed))) * VAD_WINDOW  # the middle window of the quietest three
 
 
 class VoiceTracker:
@@ -385,8 +400,12 @@ class UtteranceSegmenter:
             if len(spans) == 1 and not (final or silence_after >= needed or too_long):
                 break  # the last span is still being spoken
             first = spans.pop(0)
-            closed.append(self._close(first["start"], first["end"]))
-            dropped = first["end"] // VAD_WINDOW * VAD_WINDOW  # what _close forgot of the buffer
+            end = first["end"]
+            if too_long and not spans and not final and silence_after < needed:
+                end = _quietest_cut(first, probs, longest)  # still speaking: cut between words, keep the rest open
+                spans = [{"start": end, "end": first["end"]}]
+            closed.append(self._close(first["start"], end))
+            dropped = end // VAD_WINDOW * VAD_WINDOW  # what _close forgot of the buffer
             spans = [{"start": s["start"] - dropped, "end": s["end"] - dropped} for s in spans]
         self._open, self.speech_active = spans, bool(spans)
         if spans:

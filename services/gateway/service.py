@@ -120,7 +120,8 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                                    self.settings.session_ttl_s)
         events = EventQueue(self.settings.limits.max_queued_events)  # bounded: a slow client is cut off
         return Conversation(session_id, config, audio_format, self.settings, Ports(
-            asr=GrpcAsrStream(self.stubs.asr, session_id, config.language, audio_format),
+            asr=GrpcAsrStream(self.stubs.asr, session_id, config.language, audio_format,
+                              self.settings.caption_max_utterance_s if config.mode == convert.Config.CAPTION else 0.0),
             turns=StageTurnRunner(self.settings, self.redis, self.queues, self.stubs.llm, session_id, config),
             sink=events, clock=SystemClock()), speech_notices=speech_notices)
 

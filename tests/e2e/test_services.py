@@ -146,9 +146,10 @@ async def test_each_service_is_healthy_and_reflects_its_api(channels, service):
 
 
 def pcm_config(session: str, width: int = 2, encoding=common.AudioFormat.PCM_S16LE, rate: int = 16_000,
-               language: str = ""):
+               language: str = "", max_utterance_s: float = 0.0):
     fmt = common.AudioFormat(encoding=encoding, sample_rate_hz=rate, channels=1, sample_width_bytes=width)
-    return asr.TranscribeRequest(config=asr.StreamConfig(session_id=session, language=language, format=fmt))
+    return asr.TranscribeRequest(config=asr.StreamConfig(session_id=session, language=language, format=fmt,
+                                                         max_utterance_s=max_utterance_s))
 
 
 async def test_asr_rejects_bad_input_then_transcribes(channels, session_id, speech):
@@ -163,6 +164,9 @@ async def test_asr_rejects_bad_input_then_transcribes(channels, session_id, spee
                                                          asr.TranscribeRequest(audio=b"\x01\x02\x03")]),
         (grpc.StatusCode.INVALID_ARGUMENT, "sample rate 7 Hz", [pcm_config(session_id, rate=7), audio]),
         (grpc.StatusCode.INVALID_ARGUMENT, "English-only", [pcm_config(session_id, language="de"), audio]),
+        (grpc.StatusCode.INVALID_ARGUMENT, "max_utterance_s must be 0", [pcm_config(session_id, max_utterance_s=-1),
+                                                                        audio]),
+        (grpc.StatusCode.INVALID_ARGUMENT, "at least 2 s", [pcm_config(session_id, max_utterance_s=0.5), audio]),
         (grpc.StatusCode.NOT_FOUND, "unknown session", [pcm_config("no-such-session"), audio]),
         (grpc.StatusCode.INVALID_ARGUMENT, "first message", [audio]),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max",
