@@ -5,8 +5,8 @@ Valkey with a password and AOF, asr, two llm and two tts replicas, the gateway; 
 health check run as the engine runs it; a spoken turn through the published gateway port; an llm
 container killed mid-reply and the turn finished by the other replica, token for token (as
 tests/e2e/test_failover.py does with processes); the voice-to-voice histogram read from the
-gateway's /metrics. Prometheus and Grafana (`--profile monitoring`) need images from a registry:
-where none is reachable their scrape is checked here against the same endpoints instead.
+gateway's /metrics and from Prometheus (the monitoring profile's, Debian's package built on the same
+base), which scrapes every replica by name. Grafana's image needs a registry and is not run here.
 The build time, image size and time to a healthy stack go to test-artifacts/containers.json.
 """
 
@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -43,6 +44,7 @@ COMPOSE = shlex.split(os.environ.get("SPECVOX_COMPOSE", str(ROOT / ".venv-contai
 BASE = os.environ.get("SPECVOX_BASE", "debian:bookworm-slim")
 IMAGE = "localhost/specvox:latest"
 GATEWAY_IMAGE = "localhost/specvox-gateway:latest"  # the slim one: no torch, no models
+PROMETHEUS_IMAGE = "localhost/specvox-prometheus:latest"  # Debian's prometheus package
 PROJECT = "specvoxtest"
 STORY = "Tell me a long story about a brave little dragon."
 CONFIG = {"max_reply_tokens": 72, "budget_ms": 60_000}  # nothing degraded: the plain greedy reply
@@ -101,7 +103,7 @@ def remove_project(base: list[str]) -> None:
 def compose(tmp_path_factory):
     figures: dict[str, float | str] = {"engine": ENGINE, "base": BASE}
     started = time.monotonic()
-    for target, image in (("", IMAGE), ("gateway", GATEWAY_IMAGE)):
+    for target, image in (("", IMAGE), ("gateway", GATEWAY_IMAGE), ("prometheus", PROMETHEUS_IMAGE)):
         build = run(*NICE, ENGINE, "build", "--network=host", "--build-arg", f"BASE={BASE}", "-f", "docker/Dockerfile",
                     *(["--target", target] if target else []), "-t", image, ".", timeout=3600, check=False)
         assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
@@ -111,7 +113,8 @@ def compose(tmp_path_factory):
     secrets_ = {"SPECVOX_REDIS_PASSWORD": secrets.token_urlsafe(24), "SPECVOX_SERVICE_TOKEN": secrets.token_urlsafe(24)}
     env_file = tmp_path_factory.mktemp("compose") / "env"
     env_file.write_text("".join(f"{k}={v}\n" for k, v in {
-        **secrets_, "SPECVOX_IMAGE": IMAGE, "SPECVOX_GATEWAY_IMAGE": GATEWAY_IMAGE, "SPECVOX_LLM_REPLICAS": 2,
+        **secrets_, "SPECVOX_IMAGE": IMAGE, "SPECVOX_GATEWAY_IMAGE": GATEWAY_IMAGE,
+        "SPECVOX_PROMETHEUS_IMAGE": PROMETHEUS_IMAGE, "SPECVOX_LLM_REPLICAS": 2,
         "SPECVOX_TTS_REPLICAS": 2, "SPECVOX_GATEWAY_PORT": host_port(), "SPECVOX_HTTP_PORT": host_port()}.items()))
     base = [*COMPOSE, "-p", PROJECT, "--env-file", str(env_file), "-f", "docker/compose.yaml"]
     remove_project(base)  # a run killed before its teardown
@@ -129,8 +132,13 @@ def compose(tmp_path_factory):
             waiting = [c for c in waiting if not healthy(c)]
             time.sleep(2)
         figures["healthy_s"] = round(time.monotonic() - started, 1)
+        # Prometheus alone of the monitoring profile (Grafana's image needs a registry), beside the running stack
+        monitoring = run(*NICE, *base, "--profile", "monitoring", "up", "-d", "--no-deps", "prometheus", timeout=300,
+                         check=False)
+        assert monitoring.returncode == 0, monitoring.stdout[-3000:] + monitoring.stderr[-3000:]
+        [prometheus] = containers("prometheus")
         port = re.search(r"SPECVOX_GATEWAY_PORT=(\d+)", env_file.read_text())[1]
-        yield {"names": names, "figures": figures, "gateway": f"127.0.0.1:{port}", **secrets_,
+        yield {"names": names, "prometheus": prometheus, "figures": figures, "gateway": f"127.0.0.1:{port}", **secrets_,
                "redis": f"redis://:{secrets_['SPECVOX_REDIS_PASSWORD']}@{ip_of(names['redis'][0])}:6379/0"}
     finally:
         ARTIFACTS.mkdir(exist_ok=True)
@@ -248,7 +256,7 @@ def test_the_crashed_llm_container_is_restarted_and_healthy_again(compose):
 
 
 def test_the_voice_to_voice_histogram_is_scraped_from_the_gateway(compose):
-    """What Prometheus scrapes (docker/prometheus.yml), read from the same endpoints: every replica's."""
+    """The gateway's /metrics holds the turns' voice-to-voice histogram, and every replica serves its own."""
     def scrape(container: str, port: int) -> str:
         return urllib.request.urlopen(f"http://{ip_of(container)}:{port}/metrics", timeout=10).read().decode()
 
@@ -260,6 +268,32 @@ def test_the_voice_to_voice_histogram_is_scraped_from_the_gateway(compose):
         for name in compose["names"][service]:
             assert "specvox_" in scrape(name, port), name
     compose["figures"]["voice_to_voice_turns"] = float(count[1])
+
+
+def test_prometheus_scrapes_every_replica_and_holds_the_turns_voice_to_voice_histogram(compose):
+    """The monitoring profile's Prometheus (docker/prometheus.yml: every replica found by DNS) up and scraping
+    all seven targets, and its query API answering with the voice-to-voice turns the tests above made."""
+    api = f"http://{ip_of(compose['prometheus'])}:9090/api/v1"
+
+    def get(path: str) -> dict:
+        return json.loads(urllib.request.urlopen(f"{api}/{path}", timeout=10).read())["data"]
+
+    deadline, expected = time.monotonic() + 120, {"gateway": 1, "asr": 1, "llm": 2, "tts": 2}
+    while True:
+        try:
+            targets = get("targets?state=active")["activeTargets"]
+            up = {job: sum(t["labels"]["job"] == job and t["health"] == "up" for t in targets) for job in expected}
+            result = get("query?query=" + urllib.parse.quote("sum(specvox_voice_to_voice_seconds_count)"))["result"]
+            turns = float(result[0]["value"][1]) if result else 0.0
+        except OSError:  # not listening yet
+            up, turns = {}, 0.0
+        if up == expected and turns >= 1:
+            break
+        assert time.monotonic() < deadline, f"after 120 s: targets up {up}, voice-to-voice turns {turns}"
+        time.sleep(3)
+    buckets = get("query?query=" + urllib.parse.quote("specvox_voice_to_voice_seconds_bucket"))["result"]
+    assert any(b["metric"].get("le") == "+Inf" for b in buckets)
+    compose["figures"]["prometheus_turns"] = turns
 
 
 async def uninterrupted_reply(compose, address: str, redis, user_text: str) -> list[int]:
