@@ -422,6 +422,8 @@ class RealtimeConverter:
             response.transcript += event.reply_text.text_delta
             response.accepted_tokens.append(event.reply_text.accepted_tokens)
             out.append(self.event("response.output_audio_transcript.delta", delta=event.reply_text.text_delta, **ids))
+            out += self._extension("specvox.verify_step", response_id=response.response_id, item_id=response.item_id,
+                                   accepted_tokens=event.reply_text.accepted_tokens)  # the delta just sent
         elif kind == "audio":
             audio = event.audio
             data = _output_audio(audio.pcm_s16le, audio.sample_rate_hz, self.session.output_format)

@@ -230,6 +230,16 @@ def test_the_mouth_follows_the_visemes_and_rests_after(conversation):
     assert conversation["mouth_after"] == conversation["rest_mouth"]
 
 
+def test_each_verify_steps_tokens_are_one_labelled_group(conversation):
+    """The reply's text in groups, one per verify step (a transcript delta), each labelled with the tokens that
+    step accepted (specvox.verify_step); the counts add up to the turn report's speculative statistics."""
+    last = conversation["final"]["turns"][-1]
+    tokens, speculative = last["stepTokens"], last["speculative"]
+    assert tokens and all(isinstance(n, int) for n in tokens), tokens
+    assert last["stepsLabelled"] == last["steps"] == len(tokens)
+    assert (len(tokens), sum(tokens)) == (speculative["verify_steps"], speculative["accepted_tokens"]), speculative
+
+
 def test_captions_come_in_order_as_the_words_are_heard(conversation):
     first = conversation["final"]["turns"][0]
     shown = [c for c in conversation["captions"] if c["item"] == first["itemId"]]

@@ -160,10 +160,17 @@ const HANDLERS = {
     const span = document.createElement("span");
     span.className = "step";
     span.textContent = e.delta;
-    if (e.accepted_tokens) span.title = `${e.accepted_tokens} tokens accepted in one verify step`;
     turn.el.appendChild(span);
-    turn.steps.push({ text: e.delta, tokens: e.accepted_tokens ?? null });
+    turn.steps.push({ text: e.delta, tokens: null, el: span });
     turn.text += e.delta;
+  },
+  // right after its delta: how many tokens that verify step accepted (extension events on)
+  "specvox.verify_step": (e) => {
+    const step = turnOf(e.response_id)?.steps.at(-1);
+    if (!step || step.tokens !== null) return;
+    step.tokens = e.accepted_tokens;
+    step.el.dataset.tokens = e.accepted_tokens;
+    step.el.title = `${e.accepted_tokens} token${e.accepted_tokens === 1 ? "" : "s"} accepted in one verify step`;
   },
   "response.output_audio.delta": (e) => {
     const turn = turnOf(e.response_id);
