@@ -112,8 +112,8 @@ class AsrOptions:
     # A pass that ends in `loop_min_copies` or more copies of the same words in a row is whisper
     # in a loop ("and anthem. and anthem. and and anthem."): one copy is kept. 0: off.
     loop_min_copies: int = 3
-    # Speech with no pause of end_of_speech_silence_ms is cut after this long, at its quietest point
-    # (Whisper sees at most 30 s). A stream may ask for less (StreamConfig.max_utterance_s): live
+    # Speech with no pause of end_of_speech_silence_ms is cut by this long, between words
+    # (_long_utterance_cut; Whisper sees at most 30 s). A stream may ask for less (StreamConfig.max_utterance_s): live
     # captions are cleaned only once an utterance closes, so the gateway asks for captions.max_utterance_s.
     max_utterance_s: float = 25.0
     # Encode only the audio and a second of silence after it instead of Whisper's whole 30 s

@@ -116,7 +116,7 @@ class Settings(BaseSettings):
     # Caption mode: a session's utterances being captioned at once; later ones wait their turn (each holds
     # a Redis connection while it reads its token log, and a file sent unpaced brings hundreds at once).
     caption_turns_per_session: int = 4
-    # Caption mode: speech with no pause of asr.end_of_speech_silence_ms is cut (at its quietest point) after
+    # Caption mode: speech with no pause of asr.end_of_speech_silence_ms is cut (between words) by
     # this long, so a caption arrives within a few seconds of the words however long the speaker goes on
     # (asr.max_utterance_s, 25 s, otherwise). The guides' longest cue is 7 s (captions.max_duration_s).
     caption_max_utterance_s: float = 6.0
