@@ -25,6 +25,7 @@ import json
 import os
 import platform
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -230,6 +231,11 @@ def run(settings, rounds: int, json_path: str | None) -> int:
         return 2
     scheme = "https" if settings.tls.server_on else "http"
     url = f"{scheme}://{settings.host}:{settings.http_port}/"
+    try:
+        socket.create_connection((settings.host, settings.http_port), timeout=5).close()
+    except OSError as e:
+        print(f"bench page: nothing answers at {url} ({e}); it drives a running stack: start `specvox up` first")
+        return 2
     rows: list[dict] = []
     lags: list[float] = []
     with tempfile.TemporaryDirectory(prefix="bench-page-") as folder:
