@@ -140,32 +140,35 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 @contextlib.asynccontextmanager
-async def _chat_session(context: WebContext, chat: shapes.ChatRequest) -> AsyncIterator[tuple[str, str]]:
-    """A session holding the request's persona and history and a turn for its reply, deleted after."""
-    redis = context.gateway.redis
-    session_id = await redis.sessions.create(chat.persona, owner=TENANT.get())
-    turn_id = ""
-    try:
-        for exchange in chat.history:
-            await redis.sessions.append(session_id, exchange, keep=len(chat.history))
-        turn_id = await redis.turns.create(session_id)
-        yield session_id, turn_id
-    finally:
-        with contextlib.suppress(Exception):  # (it expires anyway)
-            await redis.client.delete(session_key(session_id), history_key(session_id),
-                                      *((turn_key(turn_id), token_stream_key(turn_id)) if turn_id else ()))
-
-
-@contextlib.asynccontextmanager
-async def _scratch_session(context: WebContext) -> AsyncIterator[str]:
-    """A session for a stage call that requires one (asr's Transcribe), deleted after."""
-    redis = context.gateway.redis
-    session_id = await redis.sessions.create("", owner=TENANT.get())
+async def _request_session(context: WebContext, persona: str = "") -> AsyncIterator[str]:
+    """A session for one request (the stages' calls need one), held against the key's max_sessions_per_key
+    while the request lasts (the gRPC CreateSession's count), deleted and released after."""
+    redis, tenant = context.gateway.redis, TENANT.get()
+    session_id = await redis.sessions.create(persona, owner=tenant)
+    await limits.hold_session(redis.client, context.settings.limits, tenant, session_id, context.settings.session_ttl_s)
     try:
         yield session_id
     finally:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # (it expires anyway)
             await redis.client.delete(session_key(session_id))
+            await limits.release_session(redis.client, context.settings.limits, tenant, session_id)
+
+
+@contextlib.asynccontextmanager
+async def _chat_session(context: WebContext, chat: shapes.ChatRequest) -> AsyncIterator[tuple[str, str]]:
+    """A request's session holding its persona and history, and a turn for its reply; all deleted after."""
+    redis = context.gateway.redis
+    async with _request_session(context, chat.persona) as session_id:
+        turn_id = ""
+        try:
+            for exchange in chat.history:
+                await redis.sessions.append(session_id, exchange, keep=len(chat.history))
+            turn_id = await redis.turns.create(session_id)
+            yield session_id, turn_id
+        finally:
+            with contextlib.suppress(Exception):
+                await redis.client.delete(history_key(session_id),
+                                          *((turn_key(turn_id), token_stream_key(turn_id)) if turn_id else ()))
 
 
 async def _event_stream(request: web.Request, content_type: str = "") -> web.StreamResponse:
@@ -211,7 +214,7 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
     fields = {key: [v for v in form.getall(key) if isinstance(v, str)] for key in set(form.keys()) if key != "file"}
     offer = await offer_of(request.app)
     asked = shapes.transcription_request(fields, offer.transcription_models)
-    async with _uploaded_audio(upload) as audio, _scratch_session(context) as session_id:
+    async with _uploaded_audio(upload) as audio, _request_session(context) as session_id:
         call = context.gateway.stubs.asr.Transcribe()
         sender = asyncio.create_task(_send_audio(call, session_id, asked, audio))
         sender.add_done_callback(lambda task: task.cancelled() or task.exception() is None or call.cancel())

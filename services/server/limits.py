@@ -220,6 +220,12 @@ async def hold_session(redis: Any, options: LimitOptions, tenant: str, session_i
                                  "let one expire")
 
 
+async def release_session(redis: Any, options: LimitOptions, tenant: str, session_id: str) -> None:
+    """A session deleted before its expiry (one an HTTP request made for itself) no longer counts."""
+    if options.max_sessions_per_key:
+        await redis.zrem(tenant_sessions_key(tenant), session_id)
+
+
 async def renew_session(redis: Any, options: LimitOptions, tenant: str, session_id: str, ttl_s: int) -> None:
     """A session in use is still held: its expiry in the count moves with the session's own."""
     if options.max_sessions_per_key:

@@ -129,6 +129,34 @@ async def test_sessions_per_key(gateway):
     assert await create(gateway, another())
 
 
+async def test_an_http_requests_own_session_counts_against_the_key_while_it_lasts(stack, gateway):
+    """A chat completion makes a session of its own for its reply: with the key's sessions all held it is
+    refused 429 naming the limit; with room it runs, and gives its session back when it is done."""
+    import aiohttp
+
+    base = f"http://{stack[1]['http']}/v1"
+
+    async def chat(tenant: str) -> tuple[int, dict]:
+        headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+        async with aiohttp.ClientSession(headers=headers) as http:
+            async with http.get(f"{base}/models") as response:
+                model = (await response.json())["data"][0]["id"]
+            body = {"model": model, "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 4}
+            async with http.post(f"{base}/chat/completions", json=body) as response:
+                return response.status, await response.json()
+
+    full, roomy = another(), another()
+    await create(gateway, full)
+    await create(gateway, full)
+    status, refusal_body = await chat(full)
+    assert status == 429 and "limits.max_sessions_per_key" in refusal_body["error"]["message"], refusal_body
+    await create(gateway, roomy)
+    for _ in range(2):  # each request's session is given back: the second fits as the first did
+        status, answer = await chat(roomy)
+        assert status == 200 and answer["choices"][0]["message"]["content"], answer
+    assert await create(gateway, roomy)  # and the key's second session still fits
+
+
 async def test_requests_per_second_per_key(gateway):
     """A burst of 30 at 0.05/s: the 31st call within seconds is refused; another key is not.
     (Calls on an unknown session: each is a request, and none holds a session.)"""
