@@ -410,7 +410,7 @@ class UtteranceSegmenter:
             self._forget_silence()
             return []
         needed = self.options.end_of_speech_silence_ms * SAMPLE_RATE_HZ // 1000
-        longest = self.options.max_utterance_s * SAMPLE_RATE_HZ
+        longest = int(self.options.max_utterance_s * SAMPLE_RATE_HZ)
         closed = []
         while spans:
             first = spans.pop(0)
