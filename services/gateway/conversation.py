@@ -113,6 +113,7 @@ class TurnWork:
     transcript: Any  # the utterance's asr TranscriptEvent: its final (or the partial it started from)
     speech_end_unix_ms: int
     clock: StageClock = field(default_factory=lambda: StageClock("gateway"))
+    instructions: str = ""  # this reply's own system prompt (RequestReply), empty for the session's
     reply_text: str = ""
     finish_reason: str = ""
     error: str = ""
@@ -200,6 +201,7 @@ class Conversation:
         self._caption_slots = asyncio.Semaphore(max(1, settings.caption_turns_per_session))
         self._captions_end_s = -1.0  # caption mode: where the lines sent so far end (the next start after it)
         self._last_caption_placed: asyncio.Future | None = None  # caption mode: done once the newest turn's is placed
+        self._requested_instructions = ""  # the system prompt of the reply the client asked for last (RequestReply)
         metrics.track_conversation(self)
 
     def now_s(self) -> float:
@@ -436,6 +438,8 @@ class Conversation:
     async def _start_turn(self, action: StartTurn) -> None:
         self._notice(TurnStarted(action.turn_id, action.utterance == REQUESTED_UTTERANCE))
         work = await self._open_work(action.turn_id, action.user_text, action.utterance, "dialogue")
+        if work is not None and action.utterance == REQUESTED_UTTERANCE:
+            work.instructions, self._requested_instructions = self._requested_instructions, ""
         if work is not None:
             work.tasks.append(asyncio.create_task(self._run_turn(work), context=work.span.context()))
 
@@ -481,8 +485,11 @@ class Conversation:
         """The reply is queued at once, beside its end-of-turn score (asked first: the llm runs the
         score before the reply's prefill, which then reuses what the score prefilled)."""
         work.llm_queued = True
-        await self.turns.start_reply(work.turn_id, convert.reply_request(
-            self.config, self.session_id, work.turn_id, work.user_text, work.speech_end_unix_ms, "dialogue"))
+        request = convert.reply_request(self.config, self.session_id, work.turn_id, work.user_text,
+                                        work.speech_end_unix_ms, "dialogue")
+        if work.instructions:
+            request.system_prompt = work.instructions
+        await self.turns.start_reply(work.turn_id, request)
         async for piece in self._reply_pieces(work, "reply"):
             if not work.first_phrase_unix_ms and (work.phrases.feed(piece.text) or piece.end):
                 work.first_phrase_unix_ms = self.clock.unix_ms()
@@ -630,7 +637,8 @@ class Conversation:
                 self._uncommitted.clear()
                 if self._open_utterance is not None:
                     self._committed_early.append(self._open_utterance)
-            case RequestReply():
+            case RequestReply(instructions=instructions):
+                self._requested_instructions = instructions
                 await self.handle(ReplyRequested())
             case CancelReply():
                 await self.handle(ReplyCancelled())

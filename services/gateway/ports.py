@@ -64,7 +64,10 @@ class ClearAudio:
 
 @dataclass(frozen=True)
 class RequestReply:
-    """Answer now (`response.create`), whatever the turn detection."""
+    """Answer now (`response.create`), whatever the turn detection; `instructions`: this reply's system
+    prompt (the Realtime API's `response.instructions`), empty for the session's."""
+
+    instructions: str = ""
 
 
 @dataclass(frozen=True)

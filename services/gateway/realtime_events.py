@@ -263,12 +263,13 @@ class RealtimeConverter:
         if options.get("tools"):
             raise RealtimeError("tools are not served here", "unsupported_value", "response.tools")
         rs._modalities(options.get("output_modalities", options.get("modalities")), "response.output_modalities")
+        instructions = rs.instructions_of(options.get("instructions", ""), "response.instructions")
         if self._active() is not None:
             raise RealtimeError("Conversation already has an active response in progress.",
                                 "conversation_already_has_active_response", None)
         self.requested.append(Response(self.new_id("resp"), self.new_id("item"), metadata=options.get("metadata"),
                                        requested=True))
-        return [RequestReply()], []
+        return [RequestReply(instructions)], []
 
     def _response_cancel(self, event: dict) -> tuple[list[ClientInput], list]:
         response = self._active()

@@ -136,11 +136,18 @@ def updated(session: RealtimeSession, asked: Any, dialect: Dialect, voices: tupl
     if out.voice not in voices:
         raise RealtimeError(f"unknown voice {out.voice!r}; choose one of {', '.join(voices)}", "invalid_value",
                             "session.audio.output.voice" if dialect == "ga" else "session.voice")
-    if len(out.instructions) > session_config.MAX_SYSTEM_PROMPT_CHARS:
-        raise RealtimeError(f"instructions: {len(out.instructions)} characters; at most "
-                            f"{session_config.MAX_SYSTEM_PROMPT_CHARS}", "string_above_max_length",
-                            "session.instructions")
+    instructions_of(out.instructions, "session.instructions")
     return out
+
+
+def instructions_of(value: Any, param: str) -> str:
+    """`instructions` (the session's, or one response's) checked: a string no longer than a system prompt may be."""
+    if not isinstance(value, str):
+        raise RealtimeError("instructions must be a string", "invalid_type", param)
+    if len(value) > session_config.MAX_SYSTEM_PROMPT_CHARS:
+        raise RealtimeError(f"instructions: {len(value)} characters; at most {session_config.MAX_SYSTEM_PROMPT_CHARS}",
+                            "string_above_max_length", param)
+    return value
 
 
 def _unknown(asked: dict, known: set[str], prefix: str) -> None:
@@ -217,7 +224,7 @@ def _common(asked: dict, prefix: str) -> dict[str, Any]:
     if "instructions" in asked:
         if not isinstance(asked["instructions"], str):
             raise RealtimeError("instructions must be a string", "invalid_type", f"{prefix}instructions")
-        changes["instructions"] = asked["instructions"]
+        changes["instructions"] = asked["instructions"]  # its length is checked once merged (session_config)
     if asked.get("tools"):
         raise RealtimeError("tools are not served here: specvox's model calls no functions", "unsupported_value",
                             f"{prefix}tools")

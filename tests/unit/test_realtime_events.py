@@ -363,6 +363,25 @@ async def test_inputs_in_order_commit_request_and_heard(realtime):
     assert not any(isinstance(i, (HeardUntil, UserText)) for i in r.inputs)
 
 
+async def test_a_responses_own_instructions_are_its_reply_s_system_prompt_and_only_its(realtime):
+    """response.create{response.instructions}: that reply's llm request carries them as its system prompt; the
+    next voice turn's has the session's again. Instructions that are no string are refused."""
+    r = realtime()
+    r.send(type="conversation.item.create", item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "Hello there"}]})
+    r.send(type="response.create", response={"instructions": "Answer like a pirate."})
+    await r.w.clock.advance(3.5)
+    [asked] = r.w.turn_ids()
+    assert r.w.turns.replies[asked].system_prompt == "Answer like a pirate."
+    await r.w.hear(kind_only(KIND.SPEECH_STARTED), final(0, "What time is it?"))
+    await r.w.clock.advance(3.5)
+    voiced = r.w.turn_ids()[-1]
+    assert voiced != asked and r.w.turns.replies[voiced].system_prompt == r.w.config.system_prompt
+    with pytest.raises(RealtimeError) as e:
+        r.send(type="response.create", response={"instructions": 7})
+    assert (e.value.code, e.value.param) == ("invalid_type", "response.instructions")
+
+
 async def test_a_reply_being_spoken_can_be_truncated_and_retrieved(realtime):
     r = realtime()
     await r.w.hear(kind_only(KIND.SPEECH_STARTED), final(0, "What time is it?"))
