@@ -141,7 +141,10 @@ def updated(session: RealtimeSession, asked: Any, dialect: Dialect, voices: tupl
 
 
 def instructions_of(value: Any, param: str) -> str:
-    """`instructions` (the session's, or one response's) checked: a string no longer than a system prompt may be."""
+    """`instructions` (the session's, or one response's) checked: a string no longer than a system prompt may be;
+    null is none (LiveKit's response.create sends `"instructions": null`)."""
+    if value is None:
+        return ""
     if not isinstance(value, str):
         raise RealtimeError("instructions must be a string", "invalid_type", param)
     if len(value) > session_config.MAX_SYSTEM_PROMPT_CHARS:

@@ -377,6 +377,13 @@ async def test_a_responses_own_instructions_are_its_reply_s_system_prompt_and_on
     await r.w.clock.advance(3.5)
     voiced = r.w.turn_ids()[-1]
     assert voiced != asked and r.w.turns.replies[voiced].system_prompt == r.w.config.system_prompt
+    r.events()
+    await r.w.clock.advance(3.5)
+    r.send(type="conversation.item.create", item={"type": "message", "role": "user",
+                                                  "content": [{"type": "input_text", "text": "And now?"}]})
+    r.send(type="response.create", response={"instructions": None})  # as LiveKit sends it: the session's
+    await r.w.clock.advance(3.5)
+    assert len(r.w.turn_ids()) == 3 and r.w.turns.replies[r.w.turn_ids()[-1]].system_prompt == r.w.config.system_prompt
     with pytest.raises(RealtimeError) as e:
         r.send(type="response.create", response={"instructions": 7})
     assert (e.value.code, e.value.param) == ("invalid_type", "response.instructions")
