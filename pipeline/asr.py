@@ -249,8 +249,8 @@ def _long_utterance_cut(span: dict, probs: np.ndarray, longest: int, threshold: 
     length = span["end"] - span["start"]
     if length < soft:
         return None
-    first = int(span["start"] + soft) // VAD_WINDOW
-    stop = int(min(span["end"], span["start"] + longest))  # more may have come in at once: cut within the cap
+    first = (span["start"] + soft) // VAD_WINDOW
+    stop = min(span["end"], span["start"] + longest)  # more may have come in at once: cut within the cap
     gaps = np.flatnonzero(probs[first : stop // VAD_WINDOW] < threshold)
     if gaps.size:
         return (first + int(gaps[0])) * VAD_WINDOW

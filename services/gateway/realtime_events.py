@@ -263,7 +263,8 @@ class RealtimeConverter:
         if options.get("tools"):
             raise RealtimeError("tools are not served here", "unsupported_value", "response.tools")
         rs._modalities(options.get("output_modalities", options.get("modalities")), "response.output_modalities")
-        instructions = rs.instructions_of(options.get("instructions", ""), "response.instructions")
+        asked = options.get("instructions")  # LiveKit sends null for none: the session's
+        instructions = rs.instructions_of("" if asked is None else asked, "response.instructions")
         if self._active() is not None:
             raise RealtimeError("Conversation already has an active response in progress.",
                                 "conversation_already_has_active_response", None)

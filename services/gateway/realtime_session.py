@@ -136,15 +136,11 @@ def updated(session: RealtimeSession, asked: Any, dialect: Dialect, voices: tupl
     if out.voice not in voices:
         raise RealtimeError(f"unknown voice {out.voice!r}; choose one of {', '.join(voices)}", "invalid_value",
                             "session.audio.output.voice" if dialect == "ga" else "session.voice")
-    instructions_of(out.instructions, "session.instructions")
     return out
 
 
 def instructions_of(value: Any, param: str) -> str:
-    """`instructions` (the session's, or one response's) checked: a string no longer than a system prompt may be;
-    null is none (LiveKit's response.create sends `"instructions": null`)."""
-    if value is None:
-        return ""
+    """`instructions` (the session's, or one response's) checked: a string no longer than a system prompt may be."""
     if not isinstance(value, str):
         raise RealtimeError("instructions must be a string", "invalid_type", param)
     if len(value) > session_config.MAX_SYSTEM_PROMPT_CHARS:
@@ -225,9 +221,7 @@ def _changes_beta(asked: dict) -> dict[str, Any]:
 def _common(asked: dict, prefix: str) -> dict[str, Any]:
     changes: dict[str, Any] = {}
     if "instructions" in asked:
-        if not isinstance(asked["instructions"], str):
-            raise RealtimeError("instructions must be a string", "invalid_type", f"{prefix}instructions")
-        changes["instructions"] = asked["instructions"]  # its length is checked once merged (session_config)
+        changes["instructions"] = instructions_of(asked["instructions"], f"{prefix}instructions")
     if asked.get("tools"):
         raise RealtimeError("tools are not served here: specvox's model calls no functions", "unsupported_value",
                             f"{prefix}tools")
