@@ -38,7 +38,13 @@ coqui: $(COQUI_VENV)/.installed
 $(COQUI_VENV)/.installed: requirements/coqui.txt pyproject.toml
 	$(PYTHON) -m venv $(COQUI_VENV)
 	$(COQUI_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(COQUI_VENV)/bin/pip install --quiet -r requirements/coqui.txt
+	@# PyPI's CUDA torch and its nvidia-* wheels are ~2.5 GB: a dropped connection must not fail the build.
+	@# pip resumes a cut download (--resume-retries); if it still gives up, the install is run again after
+	@# a pause, and the wheels it finished come from pip's cache.
+	for try in 1 2 3 4; do \
+	  $(COQUI_VENV)/bin/pip install --quiet --resume-retries 30 -r requirements/coqui.txt && break; \
+	  if [ $$try = 4 ]; then exit 1; fi; echo "make coqui: pip failed (try $$try of 4); again in 60 s"; sleep 60; \
+	done
 	$(COQUI_VENV)/bin/pip install --quiet --no-deps -e .
 	touch $@
 
