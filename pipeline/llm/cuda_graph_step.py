@@ -21,6 +21,7 @@ serialized and each replay's outputs are copied out before the next.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import OrderedDict
@@ -77,27 +78,99 @@ class Stopwatch:
 
 @dataclass
 class _Recorded:
-    graph: torch.cuda.CUDAGraph
-    ids: torch.Tensor  # the graph's inputs, written before each replay
-    where: torch.Tensor
-    ancestors: torch.Tensor
-    logits: torch.Tensor  # its outputs, overwritten by each replay
-    hidden: torch.Tensor
+    graph: Any  # a torch.cuda.CUDAGraph (a test's stand-in off a GPU)
+    inputs: tuple[torch.Tensor, ...]  # the graph's inputs, written before each replay
+    outputs: tuple[torch.Tensor, ...]  # its outputs, overwritten by each replay
     # No reference to the buffers it reads and writes: a graph is replayed only for buffers at the
     # very addresses, shapes and strides it was recorded with (its key), so it touches only memory
     # its caller holds; a reference would keep a `GraphBuffers` buffer from ever being free again.
 
 
-class GraphedPass:
-    """`body` recorded once per pass length, pass kind (a chain or a tree) and set of buffers, and
-    replayed: `__call__` computes what `body` computes, as one launch."""
+def buffers_key(buffers: tuple[torch.Tensor, ...]) -> tuple:
+    """What a graph over `buffers` depends on: their addresses, shapes, strides and dtypes."""
+    return tuple((b.data_ptr(), tuple(b.shape), b.stride(), b.dtype) for b in buffers)
 
-    def __init__(self, body: PassBody, max_graphs: int = MAX_GRAPHS) -> None:
+
+class GraphSet:
+    """`body(*constants, *inputs, *buffers) -> outputs` recorded as one CUDA graph per key and replayed: `run`
+    computes what `body` computes, as one launch. Graphs are kept least recently used first, up to
+    `max_graphs`; a key must name everything the recording depends on but the inputs' values
+    (their shapes, the buffers' addresses: `buffers_key`)."""
+
+    def __init__(self, body: Callable[..., tuple[torch.Tensor, ...]], max_graphs: int = MAX_GRAPHS) -> None:
         self.body, self.max_graphs = body, max_graphs
         self.graphs: OrderedDict[tuple, _Recorded] = OrderedDict()
         self.recordings = 0  # graphs recorded so far (tests and benchmarks read it)
         self._pool: Any = None  # the graphs' shared memory pool, made at the first recording
         self._lock = threading.Lock()  # a replay and the copies of its outputs happen together
+
+    def run(self, key: tuple, inputs: tuple[torch.Tensor, ...], buffers: tuple[torch.Tensor, ...],
+            read: Callable[[tuple[torch.Tensor, ...]], Any], constants: tuple = ()) -> Any:
+        """Replay the graph of `key` (recorded now if it is not yet) on `inputs` and return what
+        `read` takes from its outputs: fresh tensors, since the next replay overwrites them. The first
+        input is on the graph's device; the others may be host tensors (copied in before each replay).
+        `constants`: Python values the recording depends on (a loop's length), passed to the body
+        first; the key must name them."""
+        with self._lock:
+            recorded = self.graphs.get(key)
+            if recorded is None:
+                recorded = self._record(constants, inputs, buffers)
+                self.graphs[key] = recorded
+                while len(self.graphs) > self.max_graphs:
+                    self.graphs.popitem(last=False)
+            else:
+                self.graphs.move_to_end(key)
+                for static, value in zip(recorded.inputs, inputs, strict=True):
+                    static.copy_(value)
+            self._replay(recorded, buffers)
+            return read(recorded.outputs)
+
+    def _replay(self, recorded: _Recorded, buffers: tuple[torch.Tensor, ...]) -> None:
+        """Run the recorded graph (it reads and writes `buffers` by the addresses it was recorded with)."""
+        recorded.graph.replay()
+
+    def _record(self, constants: tuple, inputs: tuple[torch.Tensor, ...], buffers: tuple[torch.Tensor, ...]
+                ) -> _Recorded:
+        """One graph recorded (`_capture`), its seconds on the recording clock (`Stopwatch`)."""
+        device = inputs[0].device  # the first input is on the graph's device; the others may be on the host
+        cuda = device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(device)  # the work queued before is the caller's, not the recording's
+        started = time.perf_counter()
+        body = functools.partial(self.body, *constants)
+        recorded = self._capture(body, tuple(t.to(device, copy=True) for t in inputs), buffers)
+        if cuda:
+            torch.cuda.synchronize(device)
+        _RECORDING.add(time.perf_counter() - started)
+        self.recordings += 1
+        return recorded
+
+    def _capture(self, body: Callable[..., tuple[torch.Tensor, ...]], static: tuple[torch.Tensor, ...],
+                 buffers: tuple[torch.Tensor, ...]) -> _Recorded:
+        """Warm up on a side stream, then record (recording runs nothing: the caller replays). The
+        warm-up runs write into the buffers what the replay will (a pass's keys and values at its slots)."""
+        device = static[0].device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_PASSES):
+                body(*static, *buffers)
+        torch.cuda.current_stream(device).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = body(*static, *buffers)
+        return _Recorded(graph, static, tuple(outputs))
+
+
+class GraphedPass(GraphSet):
+    """A decoding pass (`body`) recorded once per pass length, pass kind (a chain or a tree) and set
+    of buffers, and replayed."""
+
+    def __init__(self, body: PassBody, max_graphs: int = MAX_GRAPHS) -> None:
+        super().__init__(body, max_graphs)
+        self._chains: dict[tuple[int, torch.device], torch.Tensor] = {}  # a chain's ancestors, by length
 
     def __call__(self, ids: torch.Tensor, start: int, positions: list[int] | None, ancestors: torch.Tensor | None,
                  keep: int, *buffers: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,58 +179,15 @@ class GraphedPass:
         other at positions start... A tree: each token at its own position, seeing the cache
         before `start` and the pass's tokens marked in its row of `ancestors` [n, n]."""
         n = ids.shape[1]
-        key = (n, ancestors is not None, *((b.data_ptr(), tuple(b.shape), b.stride(), b.dtype) for b in buffers))
+        key = (n, ancestors is not None, *buffers_key(buffers))
+        if ancestors is None:  # a chain's: each token sees itself and those before it
+            ancestors = self._chains.get((n, ids.device))
+            if ancestors is None:
+                ancestors = self._chains[n, ids.device] = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
         slots = list(range(start, start + n))
         where = torch.tensor([slots if positions is None else positions, slots], dtype=torch.int64)
-        with self._lock:
-            recorded = self.graphs.get(key)
-            if recorded is None:
-                if ancestors is None:  # a chain's, recorded once: each token sees itself and those before it
-                    ancestors = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
-                recorded = self._record(ids, where.to(ids.device), ancestors, buffers)
-                self.graphs[key] = recorded
-                while len(self.graphs) > self.max_graphs:
-                    self.graphs.popitem(last=False)
-            else:
-                self.graphs.move_to_end(key)
-                recorded.ids.copy_(ids)
-                recorded.where.copy_(where)
-                if ancestors is not None:
-                    recorded.ancestors.copy_(ancestors)
-            recorded.graph.replay()
-            return recorded.logits[:, n - keep :].clone(), recorded.hidden[:, n - keep :].clone()
-
-    def _record(self, ids: torch.Tensor, where: torch.Tensor, ancestors: torch.Tensor,
-                buffers: tuple[torch.Tensor, ...]) -> _Recorded:
-        """One pass recorded (`_capture`), its seconds on the recording clock (`Stopwatch`)."""
-        cuda = ids.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(ids.device)  # the work queued before is the pass's, not the recording's
-        started = time.perf_counter()
-        recorded = self._capture((ids.clone(), where.clone(), ancestors.clone()), buffers)
-        if cuda:
-            torch.cuda.synchronize(ids.device)
-        _RECORDING.add(time.perf_counter() - started)
-        self.recordings += 1
-        return recorded
-
-    def _capture(self, static: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                 buffers: tuple[torch.Tensor, ...]) -> _Recorded:
-        """Warm up on a side stream, then record one pass (recording runs nothing: the caller replays).
-        The warm-up passes write this pass's keys and values at its slots, as the replay will."""
-        device = static[0].device
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_PASSES):
-                self.body(*static, *buffers)
-        torch.cuda.current_stream(device).wait_stream(side)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits, hidden = self.body(*static, *buffers)
-        return _Recorded(graph, *static, logits, hidden)
+        return self.run(key, (ids, where, ancestors), buffers,
+                        lambda out: (out[0][:, n - keep :].clone(), out[1][:, n - keep :].clone()))
 
 
 class GraphBuffers:

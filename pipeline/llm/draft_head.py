@@ -29,8 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,8 +38,11 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
+from pipeline.llm.cuda_graph_step import Stopwatch
 from pipeline.llm.drafters import EMPTY, Draft
-from pipeline.llm.options import SamplingOptions
+from pipeline.llm.eagle_graph import DraftChain, head_graphs_apply
+from pipeline.llm.kv_cache import KVCache
+from pipeline.llm.options import GRAPH_CACHE_TOKENS, SamplingOptions
 from pipeline.llm.sampling import RandomSource, generator_at, greedy_tokens, logits_to_probs, sample
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,6 @@ CARD_FILE, WEIGHTS_FILE = "card.json", "head.safetensors"
 CARD_FORMAT = 1
 HEADS_DIR = Path(__file__).resolve().parent / "heads"  # the artifacts shipped with the engine
 WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin")
-CACHE_CHUNK = 256  # head KV positions allocated at a time
 _FINGERPRINTS: dict[tuple[str, int, float], str] = {}
 
 
@@ -116,6 +117,10 @@ class EagleHead(nn.Module):
         self.down = nn.Linear(shape.intermediate_size, d, bias=False)
         self.out_norm = nn.Parameter(torch.ones(d))  # set to the target's final norm before training
 
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos, sin [..., head_dim] at `positions`: the target's rotary embedding."""
+        return rotary(positions, self.shape.head_dim, self.shape.rope_theta, dtype)
+
     def block(self, features: torch.Tensor, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               past: tuple[torch.Tensor, torch.Tensor] | None = None, mask: torch.Tensor | None = None,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -123,6 +128,25 @@ class EagleHead(nn.Module):
 
         Queries attend to `past` keys then their own; `mask` [T, P + T] (True: attend) or None
         (causal over this pass, everything past)."""
+        new: list[torch.Tensor] = []
+
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            new.extend((k, v))
+            keys, values = (k, v) if past is None else (torch.cat((past[0], k), 2), torch.cat((past[1], v), 2))
+            t, seen = q.shape[2], mask
+            if seen is None and t > 1:
+                seen = torch.ones(t, keys.shape[2], dtype=torch.bool, device=q.device).tril(keys.shape[2] - t)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=seen,
+                                                  enable_gqa=self.shape.heads != self.shape.kv_heads)
+
+        g = self.layer(features, embeds, cos, sin, attend)
+        return g, new[0], new[1]
+
+    def layer(self, features: torch.Tensor, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """g [B, T, D] for inputs [B, T, D]: fc, then the decoder layer, whose attention is
+        `attend(q, k, v)` ([B, H, T, hd] queries, this pass's rotated keys and values) wherever the
+        keys are kept (`block`'s concatenation, or a cache buffer written in place: `eagle_graph`)."""
         s = self.shape
         b, t, _ = features.shape
         x = self.fc(torch.cat((features, embeds), dim=-1))
@@ -130,15 +154,11 @@ class EagleHead(nn.Module):
         q_k_v = q_k_v.transpose(1, 2)
         q = _rotate(q_k_v[:, : s.heads], cos, sin)
         k = _rotate(q_k_v[:, s.heads : s.heads + s.kv_heads], cos, sin)
-        v = q_k_v[:, s.heads + s.kv_heads :]
-        keys, values = (k, v) if past is None else (torch.cat((past[0], k), 2), torch.cat((past[1], v), 2))
-        if mask is None and t > 1:
-            mask = torch.ones(t, keys.shape[2], dtype=torch.bool, device=x.device).tril(keys.shape[2] - t)
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=s.heads != s.kv_heads)
+        attended = attend(q, k, q_k_v[:, s.heads + s.kv_heads :])
         h = x + self.o(attended.transpose(1, 2).reshape(b, t, s.heads * s.head_dim))
         gate, up = self.gate_up(rms_norm(h, self.mlp_norm, s.eps)).chunk(2, dim=-1)
         h = h + self.down(F.silu(gate) * up)
-        return rms_norm(h, self.out_norm, s.eps), k, v
+        return rms_norm(h, self.out_norm, s.eps)
 
 
 def unroll_mask(steps: int, length: int, device: torch.device) -> torch.Tensor:
@@ -268,13 +288,18 @@ class TrainedHead:
         self.eps = float(target.config.rms_norm_eps)
         self.vocab_size = int(self.embed.shape[0])
         self.coded: CodedEagle | None = None  # set by `run_on`: the head through the target's kernels
+        self.chain: DraftChain | None = None  # set by `run_on`: greedy chains as CUDA graphs
 
     def run_on(self, lean: Any) -> bool:
         """Draft through the kernels of the target's lean pass `lean` where it has them (an EAGLE head
-        beside a coded target: `CodedEagle`); whether it does."""
+        beside a coded target: `CodedEagle`); whether it does. On a CUDA device where the lean pass
+        records graphs (`llm.cuda_graphs`), an EAGLE head's greedy chains are graphs too (`DraftChain`)."""
         head = self.head
         if isinstance(head, EagleHead) and CodedEagle.applies(lean):
             self.coded = CodedEagle(head, self.readout, lean)
+        if isinstance(head, EagleHead) and lean is not None and head_graphs_apply(self.embed.device, lean.graphs):
+            self.chain = DraftChain(head, self.embed, self.readout, self.vocab.to(self.embed.device),
+                                    getattr(lean, "graph_tokens", GRAPH_CACHE_TOKENS))
         return self.coded is not None
 
     def normed(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -336,31 +361,10 @@ def find_heads(model: str, target: Any, heads_dir: str | Path = "") -> dict[str,
     return heads
 
 
-class _KvCache:
-    """The EAGLE head's keys and values [1 layer, 1, KV, S, hd] (the fused pass's layout, `CodedEagle`),
-    preallocated; rollback moves `length`."""
-
-    def __init__(self, kv_heads: int, head_dim: int, like: torch.Tensor) -> None:
-        self.keys = like.new_zeros(1, 1, kv_heads, CACHE_CHUNK, head_dim)
-        self.values = torch.zeros_like(self.keys)
-        self.length = 0
-
-    def past(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """[1, KV, length, hd] each, or None while empty."""
-        return (self.keys[0, :, :, : self.length], self.values[0, :, :, : self.length]) if self.length else None
-
-    def reserve(self, slots: int) -> None:
-        if slots > self.keys.shape[3]:
-            grow = -(-(slots - self.keys.shape[3]) // CACHE_CHUNK) * CACHE_CHUNK
-            pad = self.keys.new_zeros(*self.keys.shape[:3], grow, self.keys.shape[4])
-            self.keys, self.values = torch.cat((self.keys, pad), 3), torch.cat((self.values, pad.clone()), 3)
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        end = self.length + k.shape[2]
-        self.reserve(end)
-        self.keys[0, :, :, self.length : end] = k
-        self.values[0, :, :, self.length : end] = v
-        self.length = end
+def head_cache(shape: HeadShape, like: torch.Tensor) -> KVCache:
+    """The EAGLE head's keys and values: one layer in the target's cache layout [1, 1, KV, S, hd] (the
+    fused pass's, `CodedEagle`, and the graph buffers', `eagle_graph`); rollback moves its `length`."""
+    return KVCache(1, 1, shape.kv_heads, shape.head_dim, like.dtype, like.device)
 
 
 class CodedEagle:
@@ -402,7 +406,7 @@ class CodedEagle:
         """Whether `lean` (the target's `LeanLlama`, or None) runs the kernels a coded head needs."""
         return lean is not None and getattr(lean, "step", None) is not None
 
-    def block(self, features: torch.Tensor, embeds: torch.Tensor, first: int, cache: _KvCache) -> torch.Tensor:
+    def block(self, features: torch.Tensor, embeds: torch.Tensor, first: int, cache: KVCache) -> torch.Tensor:
         """EagleHead.block over features and embeds [1, T, D] at positions first..., its keys and values
         written after the cache's `length` live slots (which the caller then advances); g [1, T, D]."""
         t = features.shape[1]
@@ -456,7 +460,7 @@ class HeadDrafter:
         self.start = -1  # the context position of the first feature held
         self.features: list[torch.Tensor] = []  # normed features [D] of positions start, start + 1, …
         shape = trained.head.shape
-        self._cache = _KvCache(shape.kv_heads, shape.head_dim, trained.readout) if self.name == "eagle" else None
+        self._cache = head_cache(shape, trained.readout) if self.name == "eagle" else None
 
     def observe(self, first: int, hidden: torch.Tensor) -> None:
         """The target's last-layer outputs (before its final norm) [m, D] of positions first..first+m-1."""
@@ -478,9 +482,9 @@ class HeadDrafter:
         if k < 1 or self.start < 0 or not self.start <= last < self.start + len(self.features):
             return EMPTY
         del self.features[last - self.start + 1 :]
-        started = time.perf_counter()
+        started = Stopwatch()  # a graph's recording is not a draft token's price
         draft = self._medusa(context, k) if self._cache is None else self._eagle(context, k)
-        self.steady_pass_s = (time.perf_counter() - started) / max(1, len(draft.tokens))  # host-synced by int()
+        self.steady_pass_s = started.seconds / max(1, len(draft.tokens))  # host-synced by reading the tokens
         return draft
 
     def _eagle(self, context: Sequence[int], k: int) -> Draft:
@@ -490,39 +494,59 @@ class HeadDrafter:
         assert isinstance(head, EagleHead)
         # drop what the last draft appended; the last true position is rerun (its output is the first draft's)
         cache.length = min(cache.length, len(self.features) - 1)
+        chain = trained.chain if self.sampling.greedy else None
+        if chain is not None and not chain.place(cache, len(self.features) + k):
+            chain = None  # every graph buffer is taken, or the reply outgrew them: this chain drafts eagerly
         first = self.start + cache.length  # positions first..T-2 have true features not yet in the cache
         features = torch.stack(self.features[cache.length :])[None]
         embeds = trained.embed[torch.tensor(context[first + 1 :], device=features.device)][None]
         g = self._block(head, features, embeds, first)[:, -1:]
         true_length = cache.length
+        siblings: list[tuple[float, tuple[int, ...]]] = []  # (path probability, path) of the tree's other nodes
+        if chain is not None:
+            tokens, top_p, top_tokens = chain.draft(g, len(context) - 1, cache, k, self.branches)
+            chain_p = 1.0
+            for i in range(k if self.branches else 0):
+                chain_p = self._siblings(top_p[i], top_tokens[i], tuple(tokens[:i]), chain_p, siblings)
+            rows: list[torch.Tensor] = []
+        else:
+            tokens, rows = self._eager_chain(g, context, k, siblings)
+        cache.length = true_length
+        branches = tuple(path for _, path in sorted(siblings, key=lambda s: -s[0]))
+        return Draft(tuple(tokens), torch.stack(rows) if rows else None, branches=branches)
+
+    def _eager_chain(self, g: torch.Tensor, context: Sequence[int], k: int,
+                     siblings: list[tuple[float, tuple[int, ...]]]) -> tuple[list[int], list[torch.Tensor]]:
+        """The draft tokens and, when sampling, their q rows, one operation at a time from the head's
+        output g [1, 1, D] at the last true position; a greedy tree's siblings go to `siblings`."""
+        trained, head = self.trained, self.trained.head
+        assert isinstance(head, EagleHead)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
-        siblings: list[tuple[float, tuple[int, ...]]] = []  # (path probability, path) of the tree's other nodes
         chain_p = 1.0  # the head's probability of the chain so far
         for i in range(k):
             logits = trained.coded.logits(g[0, 0]) if trained.coded is not None else g[0, 0] @ trained.readout.T
             token, q = self._choose(logits, len(context) + i)
             if self.branches and self.sampling.greedy:
-                chain_p = self._siblings(logits, tuple(tokens), chain_p, siblings)
+                top = torch.topk(torch.softmax(logits.float(), dim=-1), min(1 + self.branches, logits.numel()))
+                chain_p = self._siblings(top.values.tolist(), trained.vocab[top.indices].tolist(), tuple(tokens),
+                                         chain_p, siblings)
             tokens.append(token)
             if q is not None:
                 rows.append(q)
             if i + 1 < k:
                 g = self._block(head, g, trained.embed[token][None, None], len(context) - 1 + i)
-        cache.length = true_length
-        branches = tuple(path for _, path in sorted(siblings, key=lambda s: -s[0]))
-        return Draft(tuple(tokens), torch.stack(rows) if rows else None, branches=branches)
+        return tokens, rows
 
-    def _siblings(self, logits: torch.Tensor, chain: tuple[int, ...], chain_p: float,
+    def _siblings(self, top_p: list[float], top_tokens: list[int], chain: tuple[int, ...], chain_p: float,
                   out: list[tuple[float, tuple[int, ...]]]) -> float:
-        """Add the top-k alternatives to the chain's next token worth more than `min_value` to `out`;
-        returns the chain's probability through its own next token (the top-1)."""
-        probs = torch.softmax(logits.float(), dim=-1)
-        top = torch.topk(probs, min(1 + self.branches, probs.numel()))
-        values = (chain_p * top.values).tolist()
-        for value, index in zip(values[1:], top.indices[1:].tolist(), strict=True):
+        """Add the alternatives to the chain's next token (the head's top-k after its top-1: their
+        probabilities and token ids) worth more than `min_value` to `out`; returns the chain's
+        probability through its own next token (the top-1)."""
+        values = [chain_p * p for p in top_p]
+        for value, token in zip(values[1:], top_tokens[1:], strict=True):
             if value > self.min_value:
-                out.append((value, (*chain, int(self.trained.vocab[index]))))
+                out.append((value, (*chain, int(token))))
         return values[0]
 
     def _block(self, head: EagleHead, features: torch.Tensor, embeds: torch.Tensor, first: int) -> torch.Tensor:
@@ -534,9 +558,10 @@ class HeadDrafter:
             cache.length += features.shape[1]
             return g
         positions = torch.arange(first, first + features.shape[1], device=features.device)
-        cos, sin = rotary(positions, head.shape.head_dim, head.shape.rope_theta, features.dtype)
-        g, k, v = head.block(features, embeds, cos, sin, cache.past())
-        cache.append(k, v)
+        cos, sin = head.rotary(positions, features.dtype)
+        past = (cache.layers[0].keys, cache.layers[0].values) if cache.length else None
+        g, k, v = head.block(features, embeds, cos, sin, past)
+        cache.write(0, cache.extend(features.shape[1]), k, v)
         return g
 
     def _medusa(self, context: Sequence[int], k: int) -> Draft:

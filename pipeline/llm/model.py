@@ -49,7 +49,8 @@ def load_draft_model(options: LlmOptions, target: LoadedModel) -> LoadedModel | 
     if not options.draft_model:
         return None
     draft = load_model(LlmOptions(model=options.draft_model, device=options.device, dtype=options.dtype,
-                                  offline=options.offline))
+                                  offline=options.offline, cuda_graphs=options.cuda_graphs,
+                                  cuda_graph_tokens=options.cuda_graph_tokens))
     if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():  # type: ignore[attr-defined]
         raise ValueError(f"draft model {options.draft_model!r} does not share the target's tokenizer")
     return draft

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import copy
 import os
-import time
 
 import pytest
 import torch
 
-from pipeline.llm.cuda_graph_step import GraphBuffers, GraphedPass, Stopwatch, _Recorded
+from pipeline.llm.cuda_graph_step import GraphBuffers, GraphedPass, Stopwatch
 from pipeline.llm.engine import GenerationRequest, Generator
 from pipeline.llm.kv_cache import KVCache
 from pipeline.llm.lean_llama import LeanLlama
@@ -25,6 +24,7 @@ from pipeline.llm.options import LlmOptions
 from pipeline.llm.prefix_cache import PrefixCache
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
 from pipeline.llm.token_tree import TokenTree
+from tests.graph_stand_in import stand_in
 
 DEVICE = os.environ.get("SPECVOX_LLM__DEVICE", "cpu")
 on_cuda = pytest.mark.skipif(not (DEVICE.startswith("cuda") and torch.cuda.is_available()),
@@ -265,25 +265,7 @@ def test_recording_ahead_records_each_chain_length_once(lean: LeanLlama) -> None
     assert lean.graphed.recordings == recorded
 
 
-class SlowRecordingStandIn(GraphedPass):
-    """A CPU stand-in for the CUDA graph a `GraphedPass` captures: capturing runs the recorded body
-    once and takes `RECORDING_S` more (on an H200 a recording costs some twenty replays); a replay
-    runs the body on the static inputs. The recording clock and the engine's timing are the real ones."""
-
-    RECORDING_S = 0.25
-
-    def _capture(self, static, buffers):  # noqa: ANN001, ANN202 - the parent's signature
-        time.sleep(self.RECORDING_S)
-        logits, hidden = self.body(*static, *buffers)
-
-        class Replay:
-            @staticmethod
-            def replay() -> None:
-                out_logits, out_hidden = self.body(*static, *buffers)
-                logits.copy_(out_logits)
-                hidden.copy_(out_hidden)
-
-        return _Recorded(Replay(), *static, logits, hidden)
+RECORDING_S = 0.25  # a stand-in recording's seconds: on an H200 a recording costs some twenty replays
 
 
 def test_a_recording_is_not_taken_for_the_price_of_its_pass() -> None:
@@ -291,7 +273,7 @@ def test_a_recording_is_not_taken_for_the_price_of_its_pass() -> None:
     passes record (slowly) is timed at what its passes cost, and its drafting is judged on that."""
     loaded = load_model(LlmOptions(dtype="float32", device="cpu", weights="dense"))
     lean = loaded.lean
-    lean.graphed, lean.graph_buffers = SlowRecordingStandIn(lean._graph_body), GraphBuffers()
+    lean.graphed, lean.graph_buffers = stand_in(GraphedPass(lean._graph_body), RECORDING_S), GraphBuffers()
     generator = Generator(loaded)
     transcript = ("Rewrite this transcript as a clean caption, keeping the speaker's words: so um we we shipped "
                   "the new build on friday and the the crash reports dropped by half over the weekend")
@@ -301,7 +283,7 @@ def test_a_recording_is_not_taken_for_the_price_of_its_pass() -> None:
     stats, wall = steps[-1].stats, watch.seconds
     recordings = lean.graphed.recordings
     assert recordings >= 3, "the reply's passes ran through the stand-in's graphs"
-    slept = recordings * SlowRecordingStandIn.RECORDING_S
+    slept = recordings * RECORDING_S
     assert wall < Stopwatch().started - watch.started - 0.9 * slept, "the stopwatch leaves the recordings out"
     assert stats.prefill_s + stats.target_s + stats.draft_s < wall
     assert stats.accepted_draft_tokens > 0, "drafting judged on its passes' cost, not the recordings'"

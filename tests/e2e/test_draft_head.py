@@ -23,9 +23,9 @@ from pipeline.llm.draft_head import (
     DraftHeadMismatchError,
     EagleHead,
     HeadShape,
-    _KvCache,
     eagle_unrolled,
     find_heads,
+    head_cache,
     load_head,
     rotary,
     target_fingerprint,
@@ -125,16 +125,16 @@ def test_unrolled_training_steps_are_what_drafting_computes():
     positions = torch.arange(first, first + length)[None]
     unrolled = eagle_unrolled(head, features, embeds, positions, steps=3)
     for m in (0, 4, 8):  # features known up to input m; drafts 1..3 at inputs m, m + 1, m + 2
-        cache = _KvCache(2, 8, features[0])
+        cache = head_cache(shape, features[0])
         cos, sin = rotary(positions[0, : m + 1], 8, 10000.0, torch.float64)
         g, k, v = head.block(features[:, : m + 1], embeds[:, : m + 1], cos, sin)
-        cache.append(k, v)
+        cache.write(0, cache.extend(m + 1), k, v)
         g = g[:, -1:]
         for s in range(1, 4):
             assert torch.allclose(g[0, 0], unrolled[s - 1][0, m + s - 1], atol=1e-10), (m, s)
             cos, sin = rotary(positions[0, m + s : m + s + 1], 8, 10000.0, torch.float64)
-            g, k, v = head.block(g, embeds[:, m + s : m + s + 1], cos, sin, cache.past())
-            cache.append(k, v)
+            g, k, v = head.block(g, embeds[:, m + s : m + s + 1], cos, sin, tuple(cache.layers[0]))
+            cache.write(0, cache.extend(1), k, v)
 
 
 def tiny_options(tmp_path, kind: str = "eagle", steps: int = 3) -> TrainOptions:
@@ -234,7 +234,7 @@ def test_beside_a_coded_target_the_head_drafts_through_its_kernels(loaded, shipp
         n = features.shape[1]
         cos, sin = rotary(torch.arange(n), trained.head.shape.head_dim, trained.head.shape.rope_theta, torch.float32)
         exact, _, _ = trained.head.block(features, embeds, cos, sin)
-        cache = _KvCache(trained.head.shape.kv_heads, trained.head.shape.head_dim, features[0])
+        cache = head_cache(trained.head.shape, features[0])
         rounded = coded.block(features, embeds, 0, cache)
         similar = F.cosine_similarity(rounded[0], exact[0], dim=-1)
         same = [int(coded.logits(rounded[0, i]).argmax()) == int((exact[0, i] @ trained.readout.T).argmax())
