@@ -6,7 +6,7 @@ numbers, fillers and repetitions spoken here by the bundled Piper voice and espe
 turn, 0.8 s apart (their reference: the script; Piper's words timed by the voice's own phoneme durations,
 espeak-ng's sentences by where their sound starts).
 
-Sections, each printed as soon as it is done; one whose dependency has not landed prints "pending":
+Sections, each printed as soon as it is done:
 
 - **file** (`pipeline.file_captions`): each clip captioned as a file, in this process: the ASR transcript's
   WER against the reference (verbatim); the caption's WER against the reference with fillers and immediate
@@ -27,16 +27,14 @@ Sections, each printed as soon as it is done; one whose dependency has not lande
   speaks, are counted apart), p50 / p95 (goal ≤ 400 / 800 ms); the live captions' WER, words never said,
   timing, and the style violations of their lines (Caption.lines, each caption an utterance).
 
-Without a caption cleaner (until `pipeline.llm.caption_cleaner` lands) the file section captions with the
-identity (each caption is its transcript), and says so. `--quick`: one human clip and one bundled-voice
-sentence pair, file section only (the CI share: tests/e2e/test_bench_captions.py).
+`--quick`: one human clip and one bundled-voice sentence pair, file section only (the CI share:
+tests/e2e/test_bench_captions.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import json
 import os
 import platform
@@ -168,14 +166,6 @@ def human_clips(names: Sequence[str] | None) -> list[BenchClip]:
 
 # ---- what a caption is judged by ----------------------------------------------------------
 
-def _optional(module: str, name: str):
-    """`module.name`, or None while it has not landed."""
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError):
-        return None
-
-
 def clean_words(text: str) -> list[str]:
     """normalised_words without fillers and immediate repetitions: what a faithful caption keeps."""
     out: list[str] = []
@@ -217,12 +207,10 @@ def judge(clip: BenchClip, utterances: list[Captioned], cues: list) -> dict:
         "caption_wer": round(_errors(clean_ref, clean_words(" ".join(u.caption for u in utterances)))
                              / len(clean_ref), 3),
     }
-    unsaid_words = _optional("pipeline.llm.caption_constraint", "unsaid_words")
-    if unsaid_words is None:
-        row["unsaid_words"], row["unsaid_examples"] = None, []
-    else:
-        unsaid = [w for u in utterances for w in unsaid_words(u.transcript, u.caption)]
-        row["unsaid_words"], row["unsaid_examples"] = len(unsaid), unsaid[:10]
+    from pipeline.llm.caption_constraint import unsaid_words
+
+    unsaid = [w for u in utterances for w in unsaid_words(u.transcript, u.caption)]
+    row["unsaid_words"], row["unsaid_examples"] = len(unsaid), unsaid[:10]
     pairs = dict(matched_words(reference, [t for t, _ in caption_tokens]))
     errors = [abs(caption_tokens[pairs[i]][1] - start) * 1000 for i, start in clip.timed if i in pairs]
     row["timed_words"], row["timed_words_matched"] = len(clip.timed), len(errors)
@@ -232,10 +220,9 @@ def judge(clip: BenchClip, utterances: list[Captioned], cues: list) -> dict:
 
 
 def style_of(cues: list) -> dict:
-    """The style rules `cues` break (`pipeline.caption_style.find_violations`; None: pending)."""
-    find_violations = _optional("pipeline.caption_style", "find_violations")
-    if find_violations is None:
-        return {"cues": len(cues), "style_violations": None, "violations_by_rule": {}, "violation_examples": []}
+    """The style rules `cues` break (`pipeline.caption_style.find_violations`)."""
+    from pipeline.caption_style import find_violations
+
     found = find_violations(cues)
     by_rule: dict[str, int] = {}
     for v in found:
@@ -246,15 +233,19 @@ def style_of(cues: list) -> dict:
 
 # ---- the file section ---------------------------------------------------------------------
 
-def caption_cleaner(settings, drafter: str = "transcript"):
-    """The lead's CaptionCleaner on the bundled LLM, or None while it has not landed."""
-    cleaner_class = _optional("pipeline.llm.caption_cleaner", "CaptionCleaner")
-    if cleaner_class is None:
-        return None
+def file_generator(settings):
+    """The LLM files are cleaned with, as `specvox captions` loads it (`file_cleaning_options`)."""
+    from pipeline.llm.caption_cleaner import file_cleaning_options
     from pipeline.llm.engine import Generator
     from pipeline.llm.model import load_model
 
-    return cleaner_class(Generator(load_model(settings.llm)), drafter=drafter)
+    return Generator(load_model(file_cleaning_options(settings.llm)))
+
+
+def caption_cleaner(generator, drafter: str = "transcript"):
+    from pipeline.llm.caption_cleaner import CaptionCleaner
+
+    return CaptionCleaner(generator, drafter=drafter)
 
 
 def _write_wav(clip: BenchClip, folder: Path) -> Path:
@@ -265,14 +256,12 @@ def _write_wav(clip: BenchClip, folder: Path) -> Path:
     return path
 
 
-def run_file(settings, clips: list[BenchClip], folder: Path, cleaner) -> dict | None:
-    """Each clip as a file through `pipeline.file_captions`; None: pending."""
-    captioner_class = _optional("pipeline.file_captions", "FileCaptioner")
-    if captioner_class is None:
-        return None
+def run_file(settings, clips: list[BenchClip], folder: Path, cleaner) -> dict:
+    """Each clip as a file through `pipeline.file_captions`."""
+    from pipeline.file_captions import FileCaptioner
     from pipeline.media import MediaAudio
 
-    captioner = captioner_class(settings.asr, cleaner=cleaner) if cleaner else captioner_class(settings.asr)
+    captioner = FileCaptioner(settings.asr, cleaner=cleaner)
     with MediaAudio(_write_wav(clips[0], folder)) as media:
         captioner.caption(media)  # warm: the first passes load what they need
     rows, transcripts = [], []
@@ -292,26 +281,18 @@ def run_file(settings, clips: list[BenchClip], folder: Path, cleaner) -> dict | 
         }
         rows.append(row)
         print_row("file", row)
-    return {"cleaner": "CaptionCleaner (transcript drafter)" if cleaner else
-            "identity (each caption is its transcript: pipeline.llm.caption_cleaner pending)",
+    return {"cleaner": f"CaptionCleaner (transcript drafter, {cleaner.generator.loaded.weights} weights)",
             "rows": rows, "transcripts": transcripts}
 
 
 # ---- the drafter section ------------------------------------------------------------------
 
-def run_drafter(settings, transcripts: list[str]) -> dict | None:
-    """The transcript drafter against plain constrained decoding on the same transcripts; None: pending."""
-    cleaner_class = _optional("pipeline.llm.caption_cleaner", "CaptionCleaner")
-    if cleaner_class is None or not transcripts:
-        return None
-    from pipeline.llm.engine import Generator
-    from pipeline.llm.model import load_model
-
-    generator = Generator(load_model(settings.llm))
-    out: dict = {"transcripts": len(transcripts)}
+def run_drafter(generator, transcripts: list[str]) -> dict:
+    """The transcript drafter against plain constrained decoding on the same transcripts (the file section's)."""
+    out: dict = {"transcripts": len(transcripts), "weights": generator.loaded.weights}
     captions: dict[str, list[str]] = {}
     for drafter in ("transcript", "none"):
-        cleaner = cleaner_class(generator, drafter=drafter)
+        cleaner = caption_cleaner(generator, drafter)
         cleaner.clean_many(transcripts[:2])  # warm
         steps = tokens = 0
         started = time.perf_counter()
@@ -412,11 +393,6 @@ def run_live(settings, clips: list[BenchClip], work: Path) -> dict:
 
 # ---- the tables ---------------------------------------------------------------------------
 
-def _cell(value) -> str:
-    """A figure, or "pending" where its module has not landed."""
-    return "pending" if value is None else str(value)
-
-
 def _na(value) -> str:
     """A figure, or "n/a" where there was nothing to measure."""
     return "n/a" if value is None else str(value)
@@ -427,8 +403,8 @@ def print_row(section: str, row: dict) -> None:
         print(f"  {row['clip']}: {row['error']}", flush=True)
         return
     line = (f"  {row['clip']:32} asr WER {row['asr_wer']:.3f}  caption WER {row['caption_wer']:.3f}  "
-            f"unsaid {_cell(row['unsaid_words'])}  timing p50/p95 {_na(row['timing_ms_p50'])}/"
-            f"{_na(row['timing_ms_p95'])} ms  style {_cell(row['style_violations'])}")
+            f"unsaid {row['unsaid_words']}  timing p50/p95 {_na(row['timing_ms_p50'])}/"
+            f"{_na(row['timing_ms_p95'])} ms  style {row['style_violations']}")
     if section == "file":
         line += f"  {row['x_realtime']}x real time ({row['x_realtime_cpu']}x CPU)"
     else:
@@ -441,11 +417,8 @@ def print_tables(results: dict) -> None:
     for section in ("file", "live"):
         if section not in results["sections"]:
             continue
-        part = results.get(section)
+        part = results[section]
         print(f"\n### {section}")
-        if part is None or part == "pending":
-            print("pending: " + results.get(f"{section}_pending", "its dependency has not landed"))
-            continue
         if section == "file":
             print(f"cleaner: {part['cleaner']}")
         extra = ("× real time (wall / CPU)",) if section == "file" else ("delay p50 / p95 ms",)
@@ -458,8 +431,8 @@ def print_tables(results: dict) -> None:
             tail = (f"{r['x_realtime']} / {r['x_realtime_cpu']}" if section == "file"
                     else f"{_na(r['delay_ms_p50'])} / {_na(r['delay_ms_p95'])}")
             print(f"| {r['clip']} | {r['audio_s']} | {r['asr_wer']:.3f} | {r['caption_wer']:.3f} | "
-                  f"{_cell(r['unsaid_words'])} | {_na(r['timing_ms_p50'])} / {_na(r['timing_ms_p95'])} | "
-                  f"{_cell(r['style_violations'])} | {tail} |")
+                  f"{r['unsaid_words']} | {_na(r['timing_ms_p50'])} / {_na(r['timing_ms_p95'])} | "
+                  f"{r['style_violations']} | {tail} |")
         if section == "live":
             print(f"all utterances: delay p50 {_na(part['delay_ms_p50'])} ms, p95 {_na(part['delay_ms_p95'])} ms "
                   f"(goal ≤ {GOALS['live_delay_p50_ms']} / {GOALS['live_delay_p95_ms']})")
@@ -467,8 +440,8 @@ def print_tables(results: dict) -> None:
         return
     d = results.get("drafter")
     print("\n### drafter")
-    if not isinstance(d, dict):
-        print("pending: " + results.get("drafter_pending", "pipeline.llm.caption_cleaner has not landed"))
+    if d is None:
+        print("no transcripts to clean (the file section did not run)")
     else:
         print("| drafter | tokens per verify pass | tokens/s |\n|---|---:|---:|")
         for name in ("transcript", "none"):
@@ -507,24 +480,13 @@ def run(settings, sections: Sequence[str], names: Sequence[str] | None, quick: b
           + ", ".join(c.name for c in clips), flush=True)
     if "file" in sections:
         print("file …", flush=True)
-        cleaner = caption_cleaner(settings)
-        file_part = run_file(settings, clips, work, cleaner)
-        if file_part is None:
-            results["file"], results["file_pending"] = "pending", "pipeline.file_captions has not landed"
-            print("  pending: pipeline.file_captions has not landed")
-        else:
-            results["file"] = file_part
+        generator = file_generator(settings)
+        cleaner = caption_cleaner(generator)
+        results["file"] = run_file(settings, clips, work, cleaner)
     if "drafter" in sections:
         print("drafter …", flush=True)
-        file_part = results.get("file")
-        transcripts = file_part["transcripts"] if isinstance(file_part, dict) else []
-        drafter = run_drafter(settings, transcripts)
-        results["drafter"] = drafter if drafter is not None else "pending"
-        if drafter is None:
-            results["drafter_pending"] = ("pipeline.llm.caption_cleaner has not landed" if transcripts
-                                          or _optional("pipeline.llm.caption_cleaner", "CaptionCleaner") is None
-                                          else "no transcripts (the file section did not run)")
-            print(f"  pending: {results['drafter_pending']}")
+        transcripts = results["file"]["transcripts"] if "file" in results else []
+        results["drafter"] = run_drafter(generator, transcripts) if transcripts else None
     if "live" in sections:
         print("live (real time, caption mode through specvox up) …", flush=True)
         results["live"] = run_live(settings, clips, work)

@@ -8,16 +8,34 @@ The one way specvox turns a transcript into a caption text, for the llm stage's 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pipeline.llm.batch import BatchedDecoder
 from pipeline.llm.engine import TRANSCRIPT, DecodeStep, GenerationRequest, GenerationStats, Generator
-from pipeline.llm.options import SamplingOptions
+from pipeline.llm.model import auto_weights
+from pipeline.llm.options import LlmOptions, SamplingOptions
 from pipeline.llm.prompts import Task, chat_messages, encode_chat
+from pipeline.models import resolve_llm
 
 # a caption's token limit per transcript token: digits and the marks between words (", “") add some
 CAPTION_TOKENS_PER_TOKEN = 4
 CAPTION_EXTRA_TOKENS = 16
+# the weight form files are cleaned in where `llm.weights=auto` would load int4-exact (file_cleaning_options)
+FILE_WEIGHTS = "int4-q8"
+
+
+def file_cleaning_options(options: LlmOptions) -> LlmOptions:
+    """The llm options a file's captions are cleaned with (`specvox captions`): the configured ones, but
+    where `llm.weights=auto` would load int4-exact, int4-q8: the same Q4_1 codes on 8-bit activations with
+    integer products (llama.cpp's arithmetic), not float32's to the bit. A caption's words are the
+    transcript's whatever the weights (the constraint), so only a choice of casing, punctuation or digits can
+    differ: 1 of 34 captions of `specvox bench captions`' clips did, its WER the same, and the files ran at
+    22.2× real time against 17.1× on this 2-core CPU (docs/benchmarks/README.md). A form set explicitly
+    (llm.weights, or `specvox captions --weights`) is kept."""
+    if options.weights != "auto":
+        return options
+    form, _ = auto_weights(options, resolve_llm(options.model))
+    return replace(options, weights=FILE_WEIGHTS) if form == "int4-exact" else options
 
 
 def caption_token_limit(tokenizer: object, transcript: str) -> int:

@@ -113,8 +113,9 @@ def test_the_audio_of_an_mp4_video_becomes_captions_the_llm_adds_no_word_to(tmp_
     with av.open(str(path)) as container:
         assert len(container.streams.video) == 1 and container.streams.audio[0].codec_context.name == "aac"
 
-    done = captions(str(path), "--out", str(tmp_path / "talk.json"), "--quiet")  # the LLM cleaner: the default
+    done = captions(str(path), "--out", str(tmp_path / "talk.json"))  # the LLM cleaner: the default
     assert done.returncode == 0, done.stderr
+    assert f"cleaned by the LLM in {file_weights()} weights" in done.stderr  # what the summary says ran
     document = json.loads((tmp_path / "talk.json").read_text())
     for utterance in document["utterances"]:
         assert unsaid_words(utterance["transcript"], utterance["caption"]) == [], utterance
@@ -122,6 +123,24 @@ def test_the_audio_of_an_mp4_video_becomes_captions_the_llm_adds_no_word_to(tmp_
                 words=tuple(Cue(w["start"], w["end"], w["text"]) for w in c["words"])) for c in document["cues"]]
     assert_cues_say_the_sentences([(c.start_s, c.end_s, c.text) for c in cues], spans, audio.size / RATE + 0.05)
     assert style_violations(cues) == []
+
+
+def file_weights() -> str:
+    """The weight form `specvox captions` cleans in here: int4-q8 where `auto` resolves to int4-exact."""
+    from pipeline.llm.caption_cleaner import file_cleaning_options
+    from pipeline.llm.model import auto_weights
+    from pipeline.llm.options import LlmOptions
+    from pipeline.models import resolve_llm
+
+    options = file_cleaning_options(LlmOptions())
+    return options.weights if options.weights != "auto" else auto_weights(options, resolve_llm(options.model))[0]
+
+
+def test_a_weight_form_the_machine_cannot_run_exits_2_with_a_message(tmp_path, spoken):
+    audio, _ = spoken
+    path = write_media(tmp_path / "talk.wav", audio, RATE)
+    done = captions(str(path), "--weights", "int4", "--quiet")  # 4-bit with bfloat16 activations: not in float32
+    assert done.returncode == 2 and "llm.weights=int4" in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 def chord(seconds: float) -> np.ndarray:
