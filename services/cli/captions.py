@@ -155,9 +155,14 @@ def _summary(result, out: str, fmt: str, cleaning: str) -> None:
     words = sum(len(u.caption_words) for u in result.utterances)
     where = out or "standard output"
     print(f"specvox captions: {result.duration_s:.1f} s of audio in {t.total_s:.1f} s ({speed:.1f}x real time): "
-          f"{len(result.utterances)} utterances, {words} words, {len(result.cues)} cues ({cleaning}); "
+          f"{_count(len(result.utterances), 'utterance')}, {_count(words, 'word')}, {_count(len(result.cues), 'cue')} "
+          f"({cleaning}); "
           f"{fmt} to {where}",
           file=sys.stderr)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 class _ProgressBar:
