@@ -71,6 +71,13 @@ def transcript_tokens(text: str) -> list[str]:
     return _TOKEN.findall(text)
 
 
+def hyphen_joined(transcript: str) -> frozenset[int]:
+    """The indexes of the transcript's tokens (`transcript_tokens`) it joins to the token before by a hyphen
+    ("cold-hearted": the second)."""
+    spans = [m.span() for m in _TOKEN.finditer(transcript)]
+    return frozenset(i for i in range(1, len(spans)) if transcript[spans[i - 1][1] : spans[i][0]] == "-")
+
+
 def written_words(text: str) -> list[str]:
     """A text's words as a caption writes them: letters and digits, apostrophes inside ("don't", "25")."""
     return _WORD.findall(text)
@@ -187,12 +194,13 @@ class TranscriptLattice:
 
 
 def _casings(words: tuple[str, ...]) -> list[tuple[str, ...]]:
-    """The casings a caption may give words: as the transcript wrote them, lower case, a capital first letter
-    (a sentence's start), all capitals. Not letter by letter: "aboVe" is no word's casing."""
+    """The casings a caption may give words: as the transcript wrote them (its acronyms, its names), lower
+    case, a capital first letter (a sentence's start). Not letter by letter ("aboVe" is no word's casing),
+    and no capitals the transcript did not write: captions use case for sentences and names, not emphasis,
+    and a small model shouted whole captions ("DIFFERENT WORDS: That, I, did, not, say")."""
     lower = tuple(w.lower() for w in words)
     capital = (lower[0][:1].upper() + lower[0][1:], *lower[1:])
-    upper = tuple(w.upper() for w in words)
-    return list(dict.fromkeys([words, lower, capital, upper]))
+    return list(dict.fromkeys([words, lower, capital]))
 
 
 def _number_sayings(token: str) -> list[list[str]]:
@@ -270,7 +278,8 @@ def _with_units(literal: str, units: list[str], end: int) -> list[tuple[str, int
 
 # Between two words a caption may write punctuation as prose does: after the word, a clause mark (",;:") or a
 # sentence's end (".", "?!", "..."), a closing quote or bracket, then one space; after the space an opening quote
-# or bracket, or a dash standing between spaces (" — "); a hyphen may join two words ("well-known").
+# or bracket, or a dash standing between spaces (" — "); a hyphen may join two words the transcript joins
+# ("well-known": not "To-be-rather-cold-hearted", which a small model wrote and no line can break).
 CLAUSE = frozenset(",;:")
 SENTENCE = frozenset(".!?\u2026")
 CLOSERS = frozenset("\"')\u201d\u2019")
@@ -305,6 +314,7 @@ class CaptionAutomaton:
         self.closers = CLOSERS & written
         self.openers = OPENERS & written
         self.dashes = (DASHES - {"-"}) & written | ({"-"} if " - " in transcript else set())
+        self.joined = hyphen_joined(transcript)  # units the transcript joins to the one before by a hyphen
         self._next: dict[frozenset[State], dict[int, frozenset[State]]] = {}
 
     def start(self) -> frozenset[State]:
@@ -370,7 +380,7 @@ class CaptionAutomaton:
             return moves
         if phase in (CLOSE, PUNCT, QUOTE):
             moves.append((" ", ("gap", unit, SPACE, marks)))
-        if phase == CLOSE:
+        if phase == CLOSE and unit in self.joined:
             moves.append(("-", ("gap", unit, JOIN, marks + 1)))
         if phase == DASH:
             moves.append((" ", ("gap", unit, AFTER_DASH, marks)))

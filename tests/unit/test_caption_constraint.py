@@ -102,7 +102,10 @@ def test_a_word_added_changed_or_moved_is_refused(transcript: str, word: str, at
     ("I don't know you know", "I don't know."),
     ("hello can you tell me about a friendly robot dog", 'Hello, can you tell me about a friendly robot dog?'),
     ('she said "hello" - twice', 'She said, "Hello" - twice.'),
-    ("Paris is big", "PARIS IS BIG."),
+    ("NASA is big", "NASA is big."),  # the transcript's own capitals
+    ("to be cold-hearted and ill-disposed", "To be cold-hearted and ill-disposed."),
+    ("it's twenty-five", "It's 25."),
+    ("it's twenty-five", "It's twenty-five."),
     ("", ""),
 ])
 def test_allowed_edits_are_accepted(transcript: str, caption: str) -> None:
@@ -128,6 +131,9 @@ def test_allowed_edits_are_accepted(transcript: str, caption: str) -> None:
     ("hello", "hello\n\nhello"),
     ("hello there", '"Hello" there.'),  # no quotes where the transcript has none
     ("hello there", "Hello — there."),
+    ("Paris is big", "PARIS IS BIG."),  # capitals the transcript did not write
+    ("to be rather cold", "To-be-rather-cold."),  # a hyphen where the transcript has none
+    ("to be cold-hearted", "To be cold-hearted-."),
 ])
 def test_anything_else_is_refused(transcript: str, caption: str) -> None:
     assert not accepts(transcript, caption)
