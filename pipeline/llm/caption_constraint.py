@@ -310,7 +310,7 @@ class CaptionAutomaton:
     def __init__(self, lattice: TranscriptLattice, transcript: str = "") -> None:
         self.lattice = lattice
         self.end = len(lattice.units)
-        written = set(transcript)
+        written = set(_TOKEN.sub(" ", transcript))  # marks outside words: "beauty's" has an apostrophe, no quote
         self.closers = CLOSERS & written
         self.openers = OPENERS & written
         self.dashes = (DASHES - {"-"}) & written | ({"-"} if " - " in transcript else set())

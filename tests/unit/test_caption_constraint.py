@@ -130,6 +130,7 @@ def test_allowed_edits_are_accepted(transcript: str, caption: str) -> None:
     ("born in 1984", "born in 1985"),
     ("hello", "hello\n\nhello"),
     ("hello there", '"Hello" there.'),  # no quotes where the transcript has none
+    ("that beauty's rose", "That 'beauty's rose."),  # an apostrophe inside a word is no quote
     ("hello there", "Hello — there."),
     ("Paris is big", "PARIS IS BIG."),  # capitals the transcript did not write
     ("to be rather cold", "To-be-rather-cold."),  # a hyphen where the transcript has none
