@@ -71,7 +71,7 @@ def caption_run(settings, path: Path, said: str, threads: int, batch: int) -> di
     from pipeline.file_captions import FileCaptioner, FileCaptionOptions
     from pipeline.media import MediaAudio
 
-    captioner = FileCaptioner(replace(settings.asr, cpu_threads=threads), FileCaptionOptions(batch_utterances=batch))
+    captioner = FileCaptioner(settings.asr, FileCaptionOptions(batch_utterances=batch, whisper_threads=threads))
     captioner.transcriber.warm_up()
     load_before = os.getloadavg()[0]
     with MediaAudio(path) as media:

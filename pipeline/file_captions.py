@@ -21,6 +21,7 @@ hour of audio takes the memory of a few minutes.
 from __future__ import annotations
 
 import json
+import os
 import queue
 import threading
 import time
@@ -42,6 +43,11 @@ QUEUED_CHUNKS = 4  # decoded chunks (their utterances) waiting for whisper at mo
 # Utterances a whisper pass: 4 took 1.13 s of CPU for a minute of speech against 1.91 s for 1 on this
 # 2-core CPU, 2 and 8 more than 4 (a batch is padded to its longest utterance); docs/captions.md.
 BATCH_UTTERANCES = 4
+# Whisper's threads for a file: one per core, at most this many. On this 2-core CPU, 221 s of real and bundled
+# speech took 4.9-5.9 s with two threads against 6.7-7.4 s with one (identity cleaner), and 8.1-9.3 s against
+# 10.8-11.9 s beside the LLM's cleaning (docs/captions.md); the live asr keeps its one thread (asr.cpu_threads),
+# leaving the other core to the llm and tts.
+MAX_WHISPER_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,11 @@ class FileCaptionOptions:
     end_of_speech_silence_ms: int = 500
     style: CueStyle = CueStyle()  # the cues' rules (pipeline/caption_style.py; CueStyle.children() for 13 chars/s)
     chunk_s: float = CHUNK_S  # audio decoded at a time
+    whisper_threads: int = 0  # 0: one per core, at most MAX_WHISPER_THREADS
+
+
+def whisper_threads(options: FileCaptionOptions) -> int:
+    return options.whisper_threads or min(MAX_WHISPER_THREADS, os.cpu_count() or 1)
 
 
 class CleanedText(Protocol):
@@ -173,10 +184,11 @@ class FileCaptioner:
 
     def __init__(self, asr: AsrOptions, options: FileCaptionOptions = FileCaptionOptions(),
                  cleaner: CaptionCleaning | None = None, transcriber: Transcriber | None = None) -> None:
-        self.asr = replace(asr, end_of_speech_silence_ms=options.end_of_speech_silence_ms)
+        self.asr = replace(asr, end_of_speech_silence_ms=options.end_of_speech_silence_ms,
+                           cpu_threads=whisper_threads(options))
         self.options = options
         self.cleaner = cleaner or TranscriptAsCaption()
-        self.transcriber = transcriber or Transcriber(asr)
+        self.transcriber = transcriber or Transcriber(replace(asr, cpu_threads=self.asr.cpu_threads))
         self.batch = BatchTranscriber(self.transcriber)
 
     def caption(self, media: MediaAudio, on_progress: Callable[[float], None] | None = None) -> FileCaptions:

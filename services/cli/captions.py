@@ -46,7 +46,7 @@ def captions_arguments(parser: argparse.ArgumentParser) -> None:
                              "max_chars_per_s setting, 17 for adults; 13 for children's programmes)")
     parser.add_argument("--batch", type=int, default=None, help="utterances per whisper pass (default: 4)")
     parser.add_argument("--threads", type=int, default=None,
-                        help="whisper's CPU threads (default: the asr setting, asr.cpu_threads)")
+                        help="whisper's CPU threads (default: one per core, at most 4)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary on stderr")
 
 
@@ -64,15 +64,17 @@ def run_captions(settings, args: argparse.Namespace) -> int:
 
     if args.batch is not None and args.batch < 1:
         return _refuse("--batch must be at least 1")
+    if args.threads is not None and args.threads < 1:
+        return _refuse("--threads must be at least 1")
     if args.chars_per_s is not None and args.chars_per_s <= 0:
         return _refuse("--chars-per-s must be positive")
     style = settings.captions if args.chars_per_s is None else replace(settings.captions,
                                                                        max_chars_per_s=args.chars_per_s)
     fmt = output_format(args)
     limit = args.max_duration_s if args.max_duration_s > 0 else float("inf")
-    options = FileCaptionOptions(max_duration_s=limit, style=style,
+    options = FileCaptionOptions(max_duration_s=limit, style=style, whisper_threads=args.threads or 0,
                                  **({"batch_utterances": args.batch} if args.batch else {}))
-    asr = settings.asr if args.threads is None else replace(settings.asr, cpu_threads=args.threads)
+    asr = settings.asr
     try:
         with MediaAudio(args.input, options.max_duration_s) as media:  # checked before the models load
             if not args.quiet:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -209,3 +210,15 @@ def test_a_speaker_who_never_pauses_is_captioned_in_pieces_through_the_gateway(t
     spans = [(c["words"][0]["start"], c["words"][-1]["end"]) for c in captioned if c["words"]]
     assert len(spans) >= 8 and max(end - start for start, end in spans) <= 6.1, spans
     assert [unsaid_words(c["transcript"], c["text"]) for c in captioned] == [[]] * len(captioned)
+
+
+def test_whisper_takes_a_thread_per_core_for_files_and_the_option_overrides_it():
+    from pipeline.asr import AsrOptions
+    from pipeline.file_captions import MAX_WHISPER_THREADS, FileCaptioner, FileCaptionOptions
+
+    captioner = FileCaptioner(AsrOptions())  # the live asr's default is one thread
+    assert captioner.asr.cpu_threads == captioner.transcriber.options.cpu_threads == min(MAX_WHISPER_THREADS,
+                                                                                         os.cpu_count() or 1)
+    assert FileCaptioner(AsrOptions(), FileCaptionOptions(whisper_threads=1)).transcriber.options.cpu_threads == 1
+    done = captions("missing.wav", "--threads", "0")
+    assert done.returncode == 2 and "--threads must be at least 1" in done.stderr
