@@ -286,10 +286,11 @@ CLOSERS = frozenset("\"')\u201d\u2019")
 OPENERS = frozenset("\"'(\u201c\u2018")
 DASHES = frozenset("-\u2013\u2014")
 SEPARATORS = CLAUSE | SENTENCE | CLOSERS | OPENERS | DASHES | {" "}
-# where a gap stands: the caption's start, just after a word, after a mark, after a closing quote, after the
-# space, after an opening quote, after a spaced dash, after the space that follows it, after a joining hyphen
-START, CLOSE, PUNCT, QUOTE, SPACE, OPEN, DASH, AFTER_DASH, JOIN = range(9)
-ENDS = (CLOSE, PUNCT, QUOTE)  # where the caption may end, once every word is written
+# where a gap stands: the caption's start, just after a word, after a sentence mark, after a closing quote, after
+# the space, after an opening quote, after a spaced dash, after the space that follows it, after a joining hyphen,
+# after a clause mark (which no other mark follows but a closing quote: not ",!" or ",,")
+START, CLOSE, PUNCT, QUOTE, SPACE, OPEN, DASH, AFTER_DASH, JOIN, CLAUSED = range(10)
+ENDS = (CLOSE, PUNCT, QUOTE, CLAUSED)  # where the caption may end, once every word is written
 
 # A state is one of:
 #   ("gap", unit, phase, marks written): between words, `unit` the next one to write;
@@ -372,13 +373,14 @@ class CaptionAutomaton:
         moves: list[tuple[str, State]] = []
         room = marks < MAX_MARKS
         if room and phase in (CLOSE, PUNCT, QUOTE):
-            marks_here = (CLAUSE | SENTENCE) if phase != PUNCT else SENTENCE  # "?!", "...", not ",,"
-            moves += [(c, ("gap", unit, PUNCT, marks + 1)) for c in marks_here]
-            if phase != QUOTE:
-                moves += [(c, ("gap", unit, QUOTE, marks + 1)) for c in self.closers]
+            moves += [(c, ("gap", unit, PUNCT, marks + 1)) for c in SENTENCE]  # "?!", "..."
+            if phase != PUNCT:
+                moves += [(c, ("gap", unit, CLAUSED, marks + 1)) for c in CLAUSE]
+        if room and phase in (CLOSE, PUNCT, CLAUSED):
+            moves += [(c, ("gap", unit, QUOTE, marks + 1)) for c in self.closers]
         if unit == self.end:
             return moves
-        if phase in (CLOSE, PUNCT, QUOTE):
+        if phase in (CLOSE, PUNCT, QUOTE, CLAUSED):
             moves.append((" ", ("gap", unit, SPACE, marks)))
         if phase == CLOSE and unit in self.joined:
             moves.append(("-", ("gap", unit, JOIN, marks + 1)))

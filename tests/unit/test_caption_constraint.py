@@ -103,6 +103,8 @@ def test_a_word_added_changed_or_moved_is_refused(transcript: str, word: str, at
     ("hello can you tell me about a friendly robot dog", 'Hello, can you tell me about a friendly robot dog?'),
     ('she said "hello" - twice', 'She said, "Hello" - twice.'),
     ("NASA is big", "NASA is big."),  # the transcript's own capitals
+    ('she said "hello there" to me', 'She said, "Hello there," to me.'),  # a clause mark, then a closing quote
+    ("wait what", "Wait?! What..."),
     ("to be cold-hearted and ill-disposed", "To be cold-hearted and ill-disposed."),
     ("it's twenty-five", "It's 25."),
     ("it's twenty-five", "It's twenty-five."),
@@ -135,6 +137,8 @@ def test_allowed_edits_are_accepted(transcript: str, caption: str) -> None:
     ("Paris is big", "PARIS IS BIG."),  # capitals the transcript did not write
     ("to be rather cold", "To-be-rather-cold."),  # a hyphen where the transcript has none
     ("to be cold-hearted", "To be cold-hearted-."),
+    ("write a poem about the sea", "Write a poem about the sea,!"),  # no mark after a clause mark
+    ("write a poem about the sea", "Write a poem, about the sea;."),
 ])
 def test_anything_else_is_refused(transcript: str, caption: str) -> None:
     assert not accepts(transcript, caption)
