@@ -237,10 +237,13 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
             utterances = [shapes.Utterance(e.text, e.speech_start_s, e.speech_end_s, list(e.words))
                           async for e in events if e.kind == asr_pb.TranscriptEvent.FINAL]
             duration_s = await sender
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as e:
+            # The call was cancelled because the audio failed (a file that does not decode): the audio's error.
+            # Any other end is the asr's answer (a language it refuses), which the sender may have run into
+            # as "RPC already finished" while it still wrote: that is no cause, the asr's status is.
             failed = sender.exception() if sender.done() and not sender.cancelled() else None
-            if failed is not None:
-                raise failed from None  # the audio failed (the call was cancelled for it)
+            if e.code() == grpc.StatusCode.CANCELLED and failed is not None:
+                raise failed from None
             raise
         finally:
             call.cancel()
