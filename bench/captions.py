@@ -56,6 +56,7 @@ from bench.human_speech import (
     matched_words,
     normalised_words,
 )
+from services.cli.captions import caption_cleaner
 
 SECTIONS = ("file", "drafter", "live")
 CHUNK_MS = 40
@@ -233,21 +234,6 @@ def style_of(cues: list) -> dict:
 
 # ---- the file section ---------------------------------------------------------------------
 
-def file_generator(settings):
-    """The LLM files are cleaned with, as `specvox captions` loads it (`file_cleaning_options`)."""
-    from pipeline.llm.caption_cleaner import file_cleaning_options
-    from pipeline.llm.engine import Generator
-    from pipeline.llm.model import load_model
-
-    return Generator(load_model(file_cleaning_options(settings.llm)))
-
-
-def caption_cleaner(generator, drafter: str = "transcript"):
-    from pipeline.llm.caption_cleaner import CaptionCleaner
-
-    return CaptionCleaner(generator, drafter=drafter)
-
-
 def _write_wav(clip: BenchClip, folder: Path) -> Path:
     from pipeline.audio import float_to_pcm16, wav_bytes
 
@@ -289,10 +275,12 @@ def run_file(settings, clips: list[BenchClip], folder: Path, cleaner) -> dict:
 
 def run_drafter(generator, transcripts: list[str]) -> dict:
     """The transcript drafter against plain constrained decoding on the same transcripts (the file section's)."""
+    from pipeline.llm.caption_cleaner import CaptionCleaner
+
     out: dict = {"transcripts": len(transcripts), "weights": generator.loaded.weights}
     captions: dict[str, list[str]] = {}
     for drafter in ("transcript", "none"):
-        cleaner = caption_cleaner(generator, drafter)
+        cleaner = CaptionCleaner(generator, drafter=drafter)
         cleaner.clean_many(transcripts[:2])  # warm
         steps = tokens = 0
         started = time.perf_counter()
@@ -480,13 +468,12 @@ def run(settings, sections: Sequence[str], names: Sequence[str] | None, quick: b
           + ", ".join(c.name for c in clips), flush=True)
     if "file" in sections:
         print("file …", flush=True)
-        generator = file_generator(settings)
-        cleaner = caption_cleaner(generator)
+        cleaner = caption_cleaner(settings, "llm")  # the LLM as `specvox captions` loads it (its weight form)
         results["file"] = run_file(settings, clips, work, cleaner)
     if "drafter" in sections:
         print("drafter …", flush=True)
         transcripts = results["file"]["transcripts"] if "file" in results else []
-        results["drafter"] = run_drafter(generator, transcripts) if transcripts else None
+        results["drafter"] = run_drafter(cleaner.generator, transcripts) if transcripts else None
     if "live" in sections:
         print("live (real time, caption mode through specvox up) …", flush=True)
         results["live"] = run_live(settings, clips, work)

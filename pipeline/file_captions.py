@@ -188,7 +188,7 @@ class FileCaptioner:
                            cpu_threads=whisper_threads(options))
         self.options = options
         self.cleaner = cleaner or TranscriptAsCaption()
-        self.transcriber = transcriber or Transcriber(replace(asr, cpu_threads=self.asr.cpu_threads))
+        self.transcriber = transcriber or Transcriber(self.asr)
         self.batch = BatchTranscriber(self.transcriber)
 
     def caption(self, media: MediaAudio, on_progress: Callable[[float], None] | None = None) -> FileCaptions:

@@ -74,7 +74,6 @@ def run_captions(settings, args: argparse.Namespace) -> int:
     limit = args.max_duration_s if args.max_duration_s > 0 else float("inf")
     options = FileCaptionOptions(max_duration_s=limit, style=style, whisper_threads=args.threads or 0,
                                  **({"batch_utterances": args.batch} if args.batch else {}))
-    asr = settings.asr
     try:
         with MediaAudio(args.input, options.max_duration_s) as media:  # checked before the models load
             if not args.quiet:
@@ -83,7 +82,7 @@ def run_captions(settings, args: argparse.Namespace) -> int:
                 cleaner = caption_cleaner(settings, args.cleaner, args.weights)
             except ValueError as e:  # a weight form this machine or these settings cannot run
                 return _refuse(str(e))
-            captioner = FileCaptioner(asr, options, cleaner=cleaner)
+            captioner = FileCaptioner(settings.asr, options, cleaner=cleaner)
             with _ProgressBar(media.info.duration_s, disabled=args.quiet) as bar:
                 result = captioner.caption(media, bar.update)
     except KeyboardInterrupt:
@@ -158,8 +157,7 @@ def _summary(result, out: str, fmt: str, cleaning: str) -> None:
     where = out or "standard output"
     print(f"specvox captions: {result.duration_s:.1f} s of audio in {t.total_s:.1f} s ({speed:.1f}x real time): "
           f"{_count(len(result.utterances), 'utterance')}, {_count(words, 'word')}, {_count(len(result.cues), 'cue')} "
-          f"({cleaning}); "
-          f"{fmt} to {where}",
+          f"({cleaning}); {fmt} to {where}",
           file=sys.stderr)
 
 

@@ -112,7 +112,7 @@ def test_the_recorded_body_drafts_what_the_head_drafts_eagerly(generator: Genera
     offered = {path for path in eager.branches}
     from_body = {(*eager.tokens[:i], int(t)) for i in range(6) for t in top_tokens[i, 1:].tolist()}
     assert offered == from_body
-    assert torch.allclose(top_p.sum(-1), top_p.sum(-1).clamp(max=1.0)) and bool((top_p[:, :-1] >= top_p[:, 1:]).all())
+    assert bool((top_p.sum(-1) <= 1 + 1e-6).all()) and bool((top_p[:, :-1] >= top_p[:, 1:]).all())  # best first
 
 
 @pytest.mark.parametrize("branches", [0, 2])
