@@ -11,15 +11,25 @@ multilingual whisper base):
   Clips: real human speech (`bench.human_speech`: nine recordings that public packages ship with
   timed references) and questions with a pause inside ("Hello, … can you tell me …") said by the
   bundled Piper voice and three espeak-ng voices;
-- **finals equal to their own audio**: each final's words against `utterance_words` of a pass
-  over its utterance's audio alone (goal: all, word for word), and how many finals reused the
-  pass at the first silence (no pass of their own);
+- **the yardstick's own spread**: the offline WER, and the streamed, once more with each clip
+  changed in ways no listener would notice (`INAUDIBLE`: 0.1 s less or 0.2 s more silence before
+  the speech, 2 dB quieter), and their difference over the four versions of each clip; and the
+  offline WER with the offline pass run on each stretch of the stream's speech between pauses of
+  at least `STRETCH_PAUSE_S` (with `STRETCH_PAD_S` of the clip's audio either side) instead of on
+  the whole clip: what a recognizer that commits words at pauses scores even when its passes are
+  the offline pass itself. A difference between streamed and offline smaller than these moves is
+  not one this set can resolve;
+- **finals equal to their own pass**: each final's words against `utterance_words` of a pass
+  over its utterance's audio (after the speech before it it goes on from, `FinalTranscript.before`;
+  goal: all, word for word), how many finals went on from speech before them, and how many reused
+  the pass at the first silence (no pass of their own);
 - **non-words**: short non-lexical sounds (hums and "mm-hmm" said by the voices, synthetic
   hums) streamed alone, with no prompt and with the backchannel prompt the gateway sends while a
   reply is paused: how many finals have words (goal 0); and short real words ("Stop.", "Yes."),
   how many finals kept them (goal all).
 
-Also each variant's model memory (the process's resident memory added by loading it) and RTF.
+Also each variant's model memory (the process's resident memory added by loading it), RTF, and how long after
+the VAD's end of speech each final came out (on the replay's clock), apart for finals heard alone and after speech.
 """
 
 from __future__ import annotations
@@ -49,6 +59,15 @@ QUESTIONS = ("Tell me about a friendly robot dog.", "What is the tallest mountai
              "My favourite colour is blue, and I like to swim in the sea.")
 NON_WORDS = ("Mm-hmm.", "Mhm.", "Mmm.", "Hmm.")
 SHORT_WORDS = ("Stop.", "Yes.", "No.", "Wait.", "Hold on.", "Okay.")
+# Changes to a clip no listener would notice, under which the offline WER is measured again.
+INAUDIBLE = {
+    "0.1 s less silence before": lambda audio: audio[SAMPLE_RATE_HZ // 10:],
+    "0.2 s more silence before": lambda audio: np.concatenate([_silence(200), audio]),
+    "2 dB quieter": lambda audio: (audio * 10 ** (-2 / 20)).astype(np.float32),
+}
+STRETCH_PAUSE_S = 2.0  # a pause at least this long ends a stretch of speech for the offline pass
+MAX_STRETCH_S = 28.0  # a stretch longer than this is cut, so one offline window (30 s) holds it whole
+STRETCH_PAD_S = 0.3  # the clip's audio taken either side of a stretch's speech (asr.transcribe_pad_ms)
 
 
 @dataclass(frozen=True)
@@ -157,23 +176,65 @@ def _clip_row(clip: Clip, options: AsrOptions, transcriber: Transcriber, offline
 
     result = replay(StreamingRecognizer(options, transcriber), clip.audio, chunk_ms, clock)
     finals = [e for _, e in result.events if isinstance(e, FinalTranscript)]
+    final_ms = [(round((t - e.utterance.speech_end_s) * 1000), e.before is not None) for t, e in result.events
+                if isinstance(e, FinalTranscript)]
     streamed = " ".join(f.text for f in finals)
-    own = [utterance_words(transcriber.transcribe(f.utterance), f.utterance, options) for f in finals]
+    own = [utterance_words(transcriber.transcribe(f.utterance, before=f.before), f.utterance, options) for f in finals]
     different = [(f.text, " ".join(w.text.strip() for w in o)) for f, o in zip(finals, own, strict=True)
                  if [w.text for w in f.words] != [w.text for w in o]]
     t0 = time.process_time()
-    segments, _ = offline.transcribe(clip.audio, language=options.language or None, beam_size=options.beam_size)
-    whole = " ".join(s.text.strip() for s in segments)
+    whole = _offline_text(offline, clip.audio, options)
     offline_s = time.process_time() - t0
     stream_errors, words = word_errors(clip.reference, streamed)
     offline_errors, _ = word_errors(clip.reference, whole)
+    inaudible = {name: word_errors(clip.reference, _offline_text(offline, change(clip.audio), options))[0]
+                 for name, change in INAUDIBLE.items()}
+    inaudible_streamed = {name: word_errors(clip.reference, _streamed_text(change(clip.audio), options, transcriber,
+                                                                           chunk_ms, clock))[0]
+                          for name, change in INAUDIBLE.items()}
+    stretches = [clip.audio[_samples(start_s - STRETCH_PAD_S):_samples(end_s + STRETCH_PAD_S)]
+                 for start_s, end_s in speech_stretches(finals, STRETCH_PAUSE_S)]
+    at_pauses = " ".join(_offline_text(offline, audio, options) for audio in stretches)
     audio_s = clip.audio.size / SAMPLE_RATE_HZ
     return {"clip": clip.name, "kind": clip.kind, "words": words, "stream_errors": stream_errors,
-            "offline_errors": offline_errors, "finals": len(finals), "finals_own_audio_differ": different,
+            "offline_errors": offline_errors, "offline_inaudible_errors": inaudible,
+            "stream_inaudible_errors": inaudible_streamed,
+            "offline_at_pauses_errors": word_errors(clip.reference, at_pauses)[0], "finals": len(finals),
+            "finals_own_pass_differ": different,
             "finals_reused_pass": sum(f.reused_partial for f in finals),
+            "finals_after_speech": sum(f.before is not None for f in finals), "final_ms": final_ms,
             "stream_rtf": round(result.model_s / audio_s, 3), "offline_rtf": round(offline_s / audio_s, 3),
             "audio_s": round(audio_s, 2),
-            "streamed": streamed, "offline": whole}
+            "streamed": streamed, "offline": whole, "offline_at_pauses": at_pauses}
+
+
+def _streamed_text(audio: np.ndarray, options: AsrOptions, transcriber: Transcriber, chunk_ms: int, clock: str) -> str:
+    """The finals' words of `audio` replayed through a `StreamingRecognizer`."""
+    result = replay(StreamingRecognizer(options, transcriber), audio, chunk_ms, clock)
+    return " ".join(e.text for _, e in result.events if isinstance(e, FinalTranscript))
+
+
+def _offline_text(offline, audio: np.ndarray, options: AsrOptions) -> str:
+    """faster-whisper's own `transcribe` of `audio` (greedy as the stream, its 30 s windows and fallback)."""
+    segments, _ = offline.transcribe(audio, language=options.language or None, beam_size=options.beam_size)
+    return " ".join(s.text.strip() for s in segments)
+
+
+def speech_stretches(finals: list[FinalTranscript], pause_s: float) -> list[tuple[float, float]]:
+    """The finals' speech as (start, end) stretches: utterances less than `pause_s` apart joined,
+    each stretch at most `MAX_STRETCH_S` long (whisper's window, less its padding)."""
+    stretches: list[tuple[float, float]] = []
+    for f in finals:
+        start_s, end_s = f.utterance.speech_start_s, f.utterance.speech_end_s
+        if stretches and start_s - stretches[-1][1] < pause_s and end_s - stretches[-1][0] <= MAX_STRETCH_S:
+            stretches[-1] = (stretches[-1][0], end_s)
+        else:
+            stretches.append((start_s, end_s))
+    return stretches
+
+
+def _samples(seconds: float) -> int:
+    return max(0, round(seconds * SAMPLE_RATE_HZ))
 
 
 def _sound_row(clip: Clip, options: AsrOptions, transcriber: Transcriber, prompt: str) -> dict:
@@ -192,15 +253,33 @@ def summarise(rows: list[dict], sound_rows: list[dict]) -> dict:
             continue
         words = sum(r["words"] for r in mine)
         stream, offline = sum(r["stream_errors"] for r in mine) / words, sum(r["offline_errors"] for r in mine) / words
+        inaudible = {name: round(sum(r["offline_inaudible_errors"][name] for r in mine) / words, 4)
+                     for name in INAUDIBLE}
+        streamed = {name: round(sum(r["stream_inaudible_errors"][name] for r in mine) / words, 4)
+                    for name in INAUDIBLE}
+        offline_wers = [offline, *inaudible.values()]
+        stream_mean, offline_mean = (stream + sum(streamed.values())) / 4, sum(offline_wers) / 4
+        at_pauses = sum(r["offline_at_pauses_errors"] for r in mine) / words
         summary[kind] = {"clips": len(mine), "words": words, "wer_stream": round(stream, 4),
                          "wer_offline": round(offline, 4), "wer_stream_minus_offline": round(stream - offline, 4),
+                         "wer_offline_inaudible": inaudible, "wer_stream_inaudible": streamed,
+                         "wer_stream_minus_offline_mean_of_4": round(stream_mean - offline_mean, 4),
+                         "offline_spread": round(max(offline_wers) - min(offline_wers), 4),
+                         "wer_offline_at_pauses": round(at_pauses, 4),
+                         "offline_at_pauses_minus_offline": round(at_pauses - offline, 4),
                          "stream_rtf": round(sum(r["stream_rtf"] * r["audio_s"] for r in mine)
                                              / sum(r["audio_s"] for r in mine), 3),
                          "offline_rtf": round(sum(r["offline_rtf"] * r["audio_s"] for r in mine)
                                               / sum(r["audio_s"] for r in mine), 3)}
     summary["finals"] = sum(r["finals"] for r in rows)
-    summary["finals_equal_own_audio"] = summary["finals"] - sum(len(r["finals_own_audio_differ"]) for r in rows)
+    summary["finals_equal_own_pass"] = summary["finals"] - sum(len(r["finals_own_pass_differ"]) for r in rows)
     summary["finals_reused_pass"] = sum(r["finals_reused_pass"] for r in rows)
+    summary["finals_after_speech"] = sum(r["finals_after_speech"] for r in rows)
+    for after, key in ((False, "alone"), (True, "after_speech")):
+        delays = sorted(ms for r in rows for ms, a in r["final_ms"] if a == after)
+        if delays:  # the clock's time the final came out after the VAD's end of speech
+            summary[f"final_ms_p50_p95_{key}"] = [delays[len(delays) // 2], delays[min(len(delays) - 1,
+                                                                                      round(0.95 * (len(delays) - 1)))]]
     for prompted in (False, True):
         key = "prompted" if prompted else "unprompted"
         non = [r for r in sound_rows if r["kind"] == "non-word" and r["prompted"] == prompted]
@@ -215,8 +294,8 @@ def print_variant(name: str, rows: list[dict], sound_rows: list[dict], summary: 
     for r in rows:
         print(f"{r['clip'][:57]:<58} {r['words']:>5} {r['stream_errors']:>10} {r['offline_errors']:>11} "
               f"{r['finals']:>6}  {r['streamed'][:70]}")
-        for streamed, own in r["finals_own_audio_differ"]:
-            print(f"{'':>58} final {streamed!r} != own audio {own!r}")
+        for streamed, own in r["finals_own_pass_differ"]:
+            print(f"{'':>58} final {streamed!r} != own pass {own!r}")
     print("\nnon-words and short words (prompted: the gateway's backchannel prompt):")
     for r in sound_rows:
         print(f"  {r['kind']:<9} {r['clip'][:30]:<30} {'P' if r['prompted'] else '-'} {r['words']!r}")

