@@ -10,8 +10,9 @@ Not all of the words were said:
   "in a moment", "and anthem", or a hum's spelling ("Mm-hmm", "MMMM").
 
 `utterance_words` puts the three together: the words an utterance's final says. The streaming
-recognizer's finals and a transcription of the utterance's audio alone both go through it, so the
-two say the same words (tests/e2e/test_asr_stream.py).
+recognizer's finals and a transcription of the utterance's audio (after the speech before it that
+the final went on from) both go through it, so the two say the same words
+(tests/e2e/test_asr_stream.py).
 """
 
 from __future__ import annotations

@@ -74,3 +74,21 @@ def test_an_utterances_words_drop_whispers_additions_then_judge_what_is_left():
     hum = words("Mm-hmm.")
     assert utterance_words(pass_of(hum), utterance(0.5), options, ended=False) == ()
     assert utterance_words(pass_of(()), utterance(0.5), options) == ()
+
+
+def test_a_pass_given_words_before_keeps_only_the_words_after_them() -> None:
+    """`Transcriber.transcribe(before=…)`: whisper's result spells the prefix it was given, then its own
+    words; the prefix's words go, a word begun inside the prefix goes too, and emptied segments go."""
+    from pipeline.asr import _after_text
+
+    def segment(*spelled: str) -> dict:
+        return {"start": 0.0, "end": 1.0, "words": [{"word": w, "start": 0.0, "end": 1.0} for w in spelled]}
+
+    segments = [segment(" I", " have", " a", " question."), segment(" How", " do", " volcanoes", " form?")]
+    prefix = len(" I have a question.")
+    kept = _after_text(segments, prefix)
+    assert [[w["word"] for w in s["words"]] for s in kept] == [[" How", " do", " volcanoes", " form?"]]
+    assert _after_text(segments, 0) is segments
+    straddling = [segment(" I", " have", " a", " questions", " now.")]  # "questions" begun in the prefix
+    assert [w["word"] for w in _after_text(straddling, len(" I have a question"))[0]["words"]] == [" now."]
+    assert _after_text(segments, 10_000) == []
