@@ -19,11 +19,12 @@ silence (`speech_ending`) is that final's pass if the silence lasts, so its part
 final's words, committed, and may change words earlier partials had committed; the final then
 costs no pass of its own. The partials in between never take a committed word back.
 
-A sentence cut at a pause is heard whole: the final's pass of an utterance begun less than
-`asr.context_pause_ms` after the last one hears the stream's audio of the utterances just before
-it (`SpeechBefore`, at most `asr.context_s`) and goes on from their finals' words, which whisper
-is given as already written; the final is the words after them, so nothing said before a pause
-is said again ("Hello Hello, can you…"). Partial passes hear the open utterance alone: they are
+With `asr.context_pause_ms` (off by default: see its comment in `AsrOptions`) a sentence cut at
+a pause is heard whole: the final's pass of an utterance begun less than that after the last one
+hears the stream's audio of the utterances just before it (`SpeechBefore`, at most
+`asr.context_s`) and goes on from their finals' words, which whisper is given as already written;
+the final is the words after them, so nothing said before a pause is said again ("Hello Hello,
+can you…"). Partial passes hear the open utterance alone: they are
 many, and the final may change their words anyway.
 """
 

