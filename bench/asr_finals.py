@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.asr import _model_key, add_replay_arguments, espeak, parse_variant, replay
-from bench.e2e import PAUSED, trim
+from bench.e2e import PAUSED, percentiles, trim
 from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber
 from pipeline.asr_stream import FinalTranscript, StreamingRecognizer
 from pipeline.asr_words import utterance_words
@@ -175,9 +175,9 @@ def _clip_row(clip: Clip, options: AsrOptions, transcriber: Transcriber, offline
     from bench.human_speech import word_errors
 
     result = replay(StreamingRecognizer(options, transcriber), clip.audio, chunk_ms, clock)
-    finals = [e for _, e in result.events if isinstance(e, FinalTranscript)]
-    final_ms = [(round((t - e.utterance.speech_end_s) * 1000), e.before is not None) for t, e in result.events
-                if isinstance(e, FinalTranscript)]
+    timed = [(t, e) for t, e in result.events if isinstance(e, FinalTranscript)]
+    finals = [e for _, e in timed]
+    final_ms = [(round((t - e.utterance.speech_end_s) * 1000), e.before is not None) for t, e in timed]
     streamed = " ".join(f.text for f in finals)
     own = [utterance_words(transcriber.transcribe(f.utterance, before=f.before), f.utterance, options) for f in finals]
     different = [(f.text, " ".join(w.text.strip() for w in o)) for f, o in zip(finals, own, strict=True)
@@ -187,11 +187,12 @@ def _clip_row(clip: Clip, options: AsrOptions, transcriber: Transcriber, offline
     offline_s = time.process_time() - t0
     stream_errors, words = word_errors(clip.reference, streamed)
     offline_errors, _ = word_errors(clip.reference, whole)
-    inaudible = {name: word_errors(clip.reference, _offline_text(offline, change(clip.audio), options))[0]
-                 for name, change in INAUDIBLE.items()}
-    inaudible_streamed = {name: word_errors(clip.reference, _streamed_text(change(clip.audio), options, transcriber,
-                                                                           chunk_ms, clock))[0]
-                          for name, change in INAUDIBLE.items()}
+    inaudible, inaudible_streamed = {}, {}
+    for name, change in INAUDIBLE.items():
+        changed = change(clip.audio)
+        inaudible[name] = word_errors(clip.reference, _offline_text(offline, changed, options))[0]
+        inaudible_streamed[name] = word_errors(clip.reference, _streamed_text(changed, options, transcriber,
+                                                                              chunk_ms, clock))[0]
     stretches = [clip.audio[_samples(start_s - STRETCH_PAD_S):_samples(end_s + STRETCH_PAD_S)]
                  for start_s, end_s in speech_stretches(finals, STRETCH_PAUSE_S)]
     at_pauses = " ".join(_offline_text(offline, audio, options) for audio in stretches)
@@ -258,7 +259,8 @@ def summarise(rows: list[dict], sound_rows: list[dict]) -> dict:
         streamed = {name: round(sum(r["stream_inaudible_errors"][name] for r in mine) / words, 4)
                     for name in INAUDIBLE}
         offline_wers = [offline, *inaudible.values()]
-        stream_mean, offline_mean = (stream + sum(streamed.values())) / 4, sum(offline_wers) / 4
+        stream_wers = [stream, *streamed.values()]
+        stream_mean, offline_mean = sum(stream_wers) / len(stream_wers), sum(offline_wers) / len(offline_wers)
         at_pauses = sum(r["offline_at_pauses_errors"] for r in mine) / words
         summary[kind] = {"clips": len(mine), "words": words, "wer_stream": round(stream, 4),
                          "wer_offline": round(offline, 4), "wer_stream_minus_offline": round(stream - offline, 4),
@@ -276,10 +278,10 @@ def summarise(rows: list[dict], sound_rows: list[dict]) -> dict:
     summary["finals_reused_pass"] = sum(r["finals_reused_pass"] for r in rows)
     summary["finals_after_speech"] = sum(r["finals_after_speech"] for r in rows)
     for after, key in ((False, "alone"), (True, "after_speech")):
-        delays = sorted(ms for r in rows for ms, a in r["final_ms"] if a == after)
-        if delays:  # the clock's time the final came out after the VAD's end of speech
-            summary[f"final_ms_p50_p95_{key}"] = [delays[len(delays) // 2], delays[min(len(delays) - 1,
-                                                                                      round(0.95 * (len(delays) - 1)))]]
+        # the clock's time each final came out after the VAD's end of speech
+        delays = percentiles([ms for r in rows for ms, a in r["final_ms"] if a == after])
+        if delays["n"]:
+            summary[f"final_ms_p50_p95_{key}"] = [delays["p50"], delays["p95"]]
     for prompted in (False, True):
         key = "prompted" if prompted else "unprompted"
         non = [r for r in sound_rows if r["kind"] == "non-word" and r["prompted"] == prompted]

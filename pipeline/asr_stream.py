@@ -65,7 +65,6 @@ MAX_OVERLAP_WORDS = 5
 # While the user speaks, words ending this close to the end of what a pass heard stay tentative.
 EDGE_GUARD_S = 0.3
 WINDOW_S = 29.0  # the most audio one pass hears: whisper's 30 s window, less the silence after it
-MAX_SAID = 64  # finals kept to go on from (context_s bounds which are used; this bounds the list)
 
 
 def _ms(seconds: float) -> int:
@@ -239,7 +238,7 @@ class StreamingRecognizer:
         self._open: Utterance | None = None  # the open utterance as the last `listen` left it (its audio copied once)
         keep_s = options.context_s + options.max_utterance_s + 1
         self._heard = _RecentAudio(keep_s) if options.context_pause_ms else None
-        self._said: list[FinalTranscript] = []  # the finals with words since the last long pause, oldest first
+        self._said: list[FinalTranscript] = []  # with context: the finals with words whose audio is kept, oldest first
 
     def feed(self, samples: np.ndarray) -> list[AsrEvent]:
         return self.listen(samples) + self.transcribe()
@@ -398,9 +397,11 @@ class StreamingRecognizer:
         self.agreement.reset()
         self._pass_index, self._ending = -1, None
         final = FinalTranscript(utterance, words, reused_partial=reuse, before=before)
-        # An utterance with no words (a hum, a cough) ends what the next one goes on from: its
-        # audio would be heard with no words for it, and whisper would write some.
-        self._said = [*self._said[-MAX_SAID:], final] if words else []
+        if self._heard is not None:  # what the next finals may go on from
+            # An utterance with no words (a hum, a cough) ends it: its audio would be heard with no
+            # words for it, and whisper would write some. A final whose audio is no longer kept is done with.
+            kept = [f for f in self._said if f.utterance.audio_start_s >= self._heard.start_s]
+            self._said = [*kept, final] if words else []
         return final
 
 
