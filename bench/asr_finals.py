@@ -47,11 +47,10 @@ import numpy as np
 
 from bench.asr import _model_key, add_replay_arguments, espeak, parse_variant, replay
 from bench.e2e import PAUSED, percentiles, trim
-from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber
+from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber, prompt_of_phrases
 from pipeline.asr_stream import FinalTranscript, StreamingRecognizer
 from pipeline.asr_words import utterance_words
 from pipeline.turn_taking import DEFAULT_BACKCHANNELS
-from services.stages.asr import prompt_of_phrases
 
 ESPEAK_VOICES = ("en-us", "en-gb+f3", "en-us+m3")
 PAUSES_MS = (600, 450, 500, 400)  # one per PAUSED sentence, as bench/e2e draws them (400-600 ms)

@@ -39,6 +39,17 @@ NO_REPEAT_NGRAM_TOKENS = 5
 # and whose mean token log probability is below NO_SPEECH_LOGPROB heard no speech.
 NO_SPEECH_PROBABILITY, NO_SPEECH_LOGPROB = 0.6, -1.0
 ENCODER_SILENCE_S = 1  # digital silence after the audio in the encoder's input, so whisper hears it end
+MAX_PROMPT_CHARS = 400  # a prompt's phrases in all: ~100 tokens, well inside whisper's 223
+
+
+def prompt_of_phrases(phrases: Sequence[str]) -> str:
+    """The phrases as one prompt ("Mm-hmm. Yeah."); ValueError past MAX_PROMPT_CHARS (Whisper's
+    prompt holds at most 223 tokens, and it is decoded again on every pass)."""
+    phrases = [p.strip() for p in phrases if p.strip()]
+    prompt = " ".join(p if p[-1] in ".?!," else f"{p}." for p in phrases)
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise ValueError(f"the prompt's phrases have {len(prompt)} characters in all, at most {MAX_PROMPT_CHARS}")
+    return prompt
 
 
 @dataclass(frozen=True)

@@ -216,11 +216,13 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
     asked = shapes.transcription_request(fields, offer.transcription_models)
     async with _uploaded_audio(upload) as audio, _request_session(context) as session_id:
         call = context.gateway.stubs.asr.Transcribe()
-        sender = asyncio.create_task(_send_audio(call, session_id, asked, audio))
+        accepted = asyncio.Event()
+        sender = asyncio.create_task(_send_audio(call, session_id, asked, audio, accepted))
         sender.add_done_callback(lambda task: task.cancelled() or task.exception() is None or call.cancel())
         try:
             events = call.__aiter__()
-            await anext(events)  # READY: the language and prompt were accepted
+            await anext(events)  # READY: the language was accepted
+            accepted.set()
             if asked.stream:
                 response = await _event_stream(request)
                 async with _stream_errors(response):
@@ -239,8 +241,7 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
             duration_s = await sender
         except grpc.aio.AioRpcError as e:
             # The call was cancelled because the audio failed (a file that does not decode): the audio's error.
-            # Any other end is the asr's answer (a language it refuses), which the sender may have run into
-            # as "RPC already finished" while it still wrote: that is no cause, the asr's status is.
+            # Any other end is the asr's answer (a language it refuses).
             failed = sender.exception() if sender.done() and not sender.cancelled() else None
             if e.code() == grpc.StatusCode.CANCELLED and failed is not None:
                 raise failed from None
@@ -311,14 +312,18 @@ def _copy(source: Any, target: Any) -> None:
     target.flush()
 
 
-async def _send_audio(call: Any, session_id: str, asked: shapes.TranscriptionRequest, audio: UploadedAudio) -> float:
-    """The config, the prompt, then the decoded audio as 16 kHz PCM, unpaced; its duration in seconds."""
+async def _send_audio(call: Any, session_id: str, asked: shapes.TranscriptionRequest, audio: UploadedAudio,
+                      accepted: asyncio.Event) -> float:
+    """The config, the prompt, then, once the asr has `accepted` the config, the decoded audio as 16 kHz PCM,
+    unpaced; its duration in seconds. Audio written after a refusal would race the asr's status: grpc's core
+    can end such a call INTERNAL ("Failed execute_batch") instead of with the refusal."""
     pcm16 = common.AudioFormat(encoding=common.AudioFormat.PCM_S16LE, sample_rate_hz=SAMPLE_RATE_HZ, channels=1,
                                sample_width_bytes=2)
     await call.write(asr_pb.TranscribeRequest(config=asr_pb.StreamConfig(session_id=session_id, format=pcm16,
                                                                           language=asked.language)))
     if asked.prompt.strip():
         await call.write(asr_pb.TranscribeRequest(context=asr_pb.Context(expected_phrases=[asked.prompt])))
+    await accepted.wait()
     samples = 0
     piece = int(AUDIO_PIECE_S * SAMPLE_RATE_HZ)
     while (chunk := await asyncio.to_thread(audio.next_chunk)) is not None:

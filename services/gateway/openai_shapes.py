@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from pipeline.asr import prompt_of_phrases
 from pipeline.caption_style import broadcast_cues
 from pipeline.captions import srt_document, webvtt_document
 from pipeline.llm.prompts import Exchange
@@ -383,12 +384,17 @@ def transcription_request(fields: Mapping[str, list[str]], models: Sequence[str]
     if stream == "true" and response_format not in ("json", "text"):
         raise HttpError(400, "stream=true gives transcript.text events: response_format must be json or text",
                         param="stream")
+    prompt = one.get("prompt", "")
+    try:
+        prompt_of_phrases([prompt])  # the asr's own check, here: refused before any audio is sent
+    except ValueError as e:
+        raise HttpError(400, f"prompt: {e}", param="prompt") from None
     include = [*fields.get("include[]", []), *fields.get("include", [])]
     if any(item != "logprobs" for item in include):
         raise HttpError(400, f"include: only logprobs, not {include!r}", param="include")
     if include and response_format != "json":
         raise HttpError(400, "include=logprobs needs response_format json", param="include")
-    return TranscriptionRequest(model, one.get("language", ""), one.get("prompt", ""), response_format,
+    return TranscriptionRequest(model, one.get("language", ""), prompt, response_format,
                                 granularities or ("segment",), stream == "true", bool(include))
 
 

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 import numpy as np
 
-from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber
+from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber, prompt_of_phrases
 from pipeline.asr_stream import (
     AsrEvent,
     PartialTranscript,
@@ -38,7 +38,6 @@ pb, pb_grpc = load("asr")
 common = load_common()  # AudioFormat, Word, StageTimes (specvox.common.v1)
 Kind = pb.TranscriptEvent.Kind
 END = object()
-MAX_PROMPT_CHARS = 400  # a Context's phrases in all: ~100 tokens, well inside whisper's 223
 # Client messages waiting for the listener (~10 s of 40 ms chunks); past it the reader waits, through gRPC's flow
 # control: a file sent unpaced had grown the stage by 260 MB in ten minutes of audio with no bound.
 AUDIO_QUEUE_MESSAGES = 256
@@ -169,16 +168,6 @@ async def _read_audio(audio: AsyncIterator[bytes | str], chunks: asyncio.Queue) 
 def prompt_of(context: pb.Context) -> str:
     """The context's phrases as one prompt (`prompt_of_phrases`)."""
     return prompt_of_phrases(context.expected_phrases)
-
-
-def prompt_of_phrases(phrases: Sequence[str]) -> str:
-    """The phrases as one prompt ("Mm-hmm. Yeah."); ValueError past MAX_PROMPT_CHARS (Whisper's
-    prompt holds at most 223 tokens, and it is decoded again on every pass)."""
-    phrases = [p.strip() for p in phrases if p.strip()]
-    prompt = " ".join(p if p[-1] in ".?!," else f"{p}." for p in phrases)
-    if len(prompt) > MAX_PROMPT_CHARS:
-        raise ValueError(f"context.expected_phrases: {len(prompt)} characters in all, at most {MAX_PROMPT_CHARS}")
-    return prompt
 
 
 async def _take_all(chunks: asyncio.Queue) -> tuple[bytes, str | None, bool]:

@@ -6,7 +6,7 @@ one (the root namespace) and runs Valkey (a password, reachable on A's veth addr
 reaching A's Redis over their veth link, with the cluster's service credential. The gateway reaches
 them at `ipv4:B:port,C:port` for its few direct llm calls; turns go through Redis's work queue.
 
-What must hold: turns are spread over B and C (each worker's own /metrics, scraped over its link,
+What must hold: turns asked at once are spread over B and C (each worker's own /metrics, scraped over its link,
 counts the tokens its replies committed), and a turn whose host is lost mid-reply (every process in its
 namespace SIGKILLed) is finished by the other host's worker, token for token.
 """
@@ -43,7 +43,7 @@ llm, llm_grpc = load("llm")
 FMT = PcmFormat(16_000, 1, 2)
 STORY = "Tell me a long story about a brave little dragon."
 CONFIG = {"max_reply_tokens": 72, "budget_ms": 60_000}  # as tests/e2e/test_failover.py: the plain greedy reply
-SHORT = {"max_reply_tokens": 12, "budget_ms": 60_000}
+ONE_AT_A_TIME = {"max_reply_tokens": 48, "budget_ms": 60_000}  # a turn long enough to hold its host while the next queues
 LLM_PORT = 50052
 METRICS_PORT = 9102
 TOKEN = secrets.token_urlsafe(24)
@@ -119,7 +119,8 @@ def valkey(binds: list[str], data_dir: Path):
 def llm_worker(ns: str, address: str, redis_url: str, name: str, log: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1", SPECVOX_HOST=address, SPECVOX_LLM_PORT=str(LLM_PORT),
                SPECVOX_METRICS_PORT=str(METRICS_PORT), SPECVOX_REDIS_URL=redis_url, SPECVOX_WORKER_NAME=name,
-               SPECVOX_AUTH__SERVICE_TOKEN=TOKEN, SPECVOX_LLM__KERNEL_THREADS="1", SPECVOX_LOG_LEVEL="WARNING")
+               SPECVOX_AUTH__SERVICE_TOKEN=TOKEN, SPECVOX_LLM__KERNEL_THREADS="1", SPECVOX_LOG_LEVEL="WARNING",
+               SPECVOX_LLM_CONCURRENCY="1")
     return subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "services.cli", "serve", "llm"],
                             cwd=ROOT, env=env, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
 
@@ -183,10 +184,14 @@ async def talk(gateway: str, speech, text: str, config: dict) -> list:
 
 
 async def test_turns_are_spread_over_the_llm_hosts(hosts, speech):
+    """Three users ask at once. Each worker takes one turn at a time (SPECVOX_LLM_CONCURRENCY=1), so
+    while one host holds a turn the next one queued can only go to the other. Asked one after
+    another, two idle workers take turns as Redis serves their blocked reads: all three once went to
+    one host."""
     workers = hosts["workers"]
     before = {name: tokens_generated(w["metrics"]) for name, w in workers.items()}
-    for question in ("What is the capital of France?", "What colour is the sky?", "Name a big animal."):
-        turns = await talk(hosts["gateway"], speech, question, SHORT)
+    conversations = await asyncio.gather(*(talk(hosts["gateway"], speech, STORY, ONE_AT_A_TIME) for _ in range(3)))
+    for turns in conversations:
         assert any(t.report and t.report["finish_reason"] in ("eos", "length") for t in turns), turns
     taken = {name: tokens_generated(w["metrics"]) - before[name] for name, w in workers.items()}
     assert all(n >= 1 for n in taken.values()), taken

@@ -326,8 +326,9 @@ async def test_every_bad_request_gets_openais_error_shape_and_the_gateway_serves
     await refused(stack, transcriptions, 400, "timestamp_granularities",
                   data=form(wav, **{"timestamp_granularities[]": "word"}))  # without verbose_json
     await refused(stack, transcriptions, 400, None, data=form(wav, language="xx"))
+    await refused(stack, transcriptions, 400, "prompt", data=form(wav, prompt="word " * 100))
     long_wav = wav_bytes(float_to_pcm16(np.zeros(16_000 * 60, np.float32)), 16_000)
-    for _ in range(4):  # the asr refuses while the gateway still writes a minute of audio: its status, not the write's
+    for _ in range(4):  # a minute of audio, held back until the asr accepts: its refusal, never a failed write
         await refused(stack, transcriptions, 400, None, data=form(long_wav, language="xx"))
     await refused(stack, transcriptions, 404, "model", data=form(wav, model="whisper-2"))
     await refused(stack, transcriptions, 413, data=form(b"\0" * (MAX_BODY_BYTES + 1)))

@@ -10,6 +10,7 @@ import av
 import numpy as np
 import pytest
 
+from pipeline.asr import MAX_PROMPT_CHARS
 from pipeline.llm.prompts import Exchange
 from services.gateway import openai_shapes as shapes
 from services.gateway.web import HttpError
@@ -91,6 +92,14 @@ def test_transcription_fields_both_spellings_of_the_granularities():
         shapes.transcription_request({"model": ["whisper-1"], "stream": ["true"], "response_format": ["srt"]},
                                      ("whisper-1",))
     assert refusal.value.param == "stream"
+
+
+def test_a_transcription_prompt_past_whispers_is_refused_before_the_asr_hears_audio():
+    fields = {"model": ["whisper-1"], "prompt": ["Mm-hmm. Yeah."]}
+    assert shapes.transcription_request(fields, ("whisper-1",)).prompt == "Mm-hmm. Yeah."
+    with pytest.raises(HttpError) as refusal:
+        shapes.transcription_request(fields | {"prompt": ["word " * (MAX_PROMPT_CHARS // 5 + 1)]}, ("whisper-1",))
+    assert refusal.value.param == "prompt" and refusal.value.status == 400
 
 
 def test_openai_voice_names_are_the_default_voice_and_others_must_exist():
