@@ -575,8 +575,8 @@ def test_a_non_lexical_sound_over_a_paused_reply_gives_no_words(transcriber, spe
     (the gateway prompts whisper with its backchannels then): voice (the reply pauses), mostly an
     utterance, but no final words, so the reply resumes. Before, whisper wrote them "and anthem.
     mm-hmm. mm-huh.", "mm-hmm. mm-hmm. mm-h.", "uh. uh. uh. hm.", "and mmm."."""
-    from pipeline.turn_taking import DEFAULT_BACKCHANNELS
     from pipeline.asr import prompt_of_phrases
+    from pipeline.turn_taking import DEFAULT_BACKCHANNELS
 
     utterances, said = words_for(non_lexical_sounds(speech, espeak), transcriber,
                                  prompt_of_phrases(DEFAULT_BACKCHANNELS))
@@ -606,8 +606,8 @@ def espeak_voice(text: str, voice: str) -> np.ndarray:
 @pytest.mark.parametrize("prompt", ["", "backchannels"])
 def test_short_real_words_keep_their_words(speech, espeak, transcriber, prompt):
     """The other side of the non-word checks: a lone word said over the avatar still comes out."""
-    from pipeline.turn_taking import DEFAULT_BACKCHANNELS
     from pipeline.asr import prompt_of_phrases
+    from pipeline.turn_taking import DEFAULT_BACKCHANNELS
 
     for make in (speech, espeak):
         for word in ("Stop.", "Yes.", "Wait.", "Hold on."):
