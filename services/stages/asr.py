@@ -166,8 +166,11 @@ async def _read_audio(audio: AsyncIterator[bytes | str], chunks: asyncio.Queue) 
 
 
 def prompt_of(context: pb.Context) -> str:
-    """The context's phrases as one prompt (`prompt_of_phrases`)."""
-    return prompt_of_phrases(context.expected_phrases)
+    """The context's phrases as one prompt (`prompt_of_phrases`); a refusal names the field."""
+    try:
+        return prompt_of_phrases(context.expected_phrases)
+    except ValueError as e:
+        raise ValueError(f"context.expected_phrases: {e}") from None
 
 
 async def _take_all(chunks: asyncio.Queue) -> tuple[bytes, str | None, bool]:
