@@ -55,7 +55,7 @@ from pipeline.asr_words import norm_word, spoken_words, utterance_words
 
 __all__ = ["AsrEvent", "FinalTranscript", "LocalAgreement", "PartialTranscript", "SpeechStarted",
            "StreamingRecognizer", "VoiceEnded", "VoiceStarted", "join_words", "norm_word", "normalised_text",
-           "spoken_words"]
+           "spoken_words", "went_on"]
 
 # Whisper's word timings jitter; a word starting this early before the last committed
 # word's end is still taken as new (the paper uses the same 0.1 s slack).
@@ -65,6 +65,14 @@ MAX_OVERLAP_WORDS = 5
 # While the user speaks, words ending this close to the end of what a pass heard stay tentative.
 EDGE_GUARD_S = 0.3
 WINDOW_S = 29.0  # the most audio one pass hears: whisper's 30 s window, less the silence after it
+# A pass that went on from the words before stopped short of its utterance's speech where its last
+# word ends this long before it, and strayed into the speech before where its first word starts
+# STRAYED_S before the utterance's audio (`went_on`). Heard alone, on the clips of `specvox bench
+# asr-finals`, 1 final in 99 ends so early (the VAD's end lags a word's fading end: p95 0.43 s,
+# p99 0.88 s); the passes that stopped short ("The river" for "The river rose by 12% last spring.")
+# ended 1.4-2.2 s early. No pass alone starts before its audio (its pad, 0.3 s, covers whisper's lead).
+STOPPED_SHORT_S = 1.0
+STRAYED_S = 0.3
 
 
 def _ms(seconds: float) -> int:
@@ -325,19 +333,13 @@ class StreamingRecognizer:
 
     def _final_words(self, utterance: Utterance) -> tuple[tuple[Word, ...], SpeechBefore | None]:
         """The words of the utterance's final pass, and the speech before it that the pass went on
-        from (`_before`; None: it heard the utterance alone).
-
-        Going on from the words before, whisper sometimes writes nothing more for speech it heard:
-        after "… the Overwatch League for 2020." it ended there, though 4 s of speech followed a
-        cut with no pause. An utterance voiced for `short_utterance_ms` or more that got no word
-        so is heard alone instead; a shorter one may be a filler or a hum that whisper rightly
-        leaves out."""
+        from (`_before`; None: it heard the utterance alone, as it does where that pass did not
+        go on from the words before through the utterance's speech: `went_on`)."""
         before = self._before(utterance)
         if before is not None:
             transcript = self.transcriber.transcribe(utterance, self.language, self.prompt, before)
             words = utterance_words(transcript, utterance, self.options)
-            voiced_ms = _ms(utterance.speech_end_s - utterance.speech_start_s)
-            if words or voiced_ms < self.options.short_utterance_ms:
+            if went_on(words, utterance, self.options):
                 return words, before
         return self._words(utterance, ended=True), None
 
@@ -419,6 +421,22 @@ class _EndingPass:
         """Whether it heard the very audio of `utterance`: the same utterance, from and to the same samples."""
         return (self.utterance_index, self.audio_start_s, self.audio_samples) == (
             utterance.index, utterance.audio_start_s, utterance.audio.size)
+
+
+def went_on(words: Sequence[Word], utterance: Utterance, options: AsrOptions) -> bool:
+    """Whether a pass that went on from the words before wrote the utterance's speech, no more
+    and no less: its words lie in the utterance's audio and reach the end of its speech.
+
+    Going on from the words before, whisper sometimes stops early: after "… the Overwatch
+    League for 2020." it wrote nothing for 4 s of speech cut off with no pause, and it
+    ended "The train leaves from platform nine …" after "from". The next final, going on
+    from "The train leaves from", then wrote "platform nine" in the speech before its own:
+    said, but in the wrong final, at the wrong time. An utterance voiced for less than
+    `short_utterance_ms` may get no word (a filler or a hum whisper rightly leaves out)."""
+    if not words:
+        return _ms(utterance.speech_end_s - utterance.speech_start_s) < options.short_utterance_ms
+    return (words[0].start_s >= utterance.audio_start_s - STRAYED_S
+            and words[-1].end_s >= utterance.speech_end_s - STOPPED_SHORT_S)
 
 
 class _RecentAudio:

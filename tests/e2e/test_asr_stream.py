@@ -21,6 +21,7 @@ from pipeline.asr_stream import (
     VoiceStarted,
     normalised_text,
     spoken_words,
+    went_on,
 )
 from pipeline.asr_words import utterance_words
 from pipeline.audio import AudioFormatError, PcmFormat, PcmStreamDecoder
@@ -474,6 +475,25 @@ def test_a_final_after_a_long_pause_or_with_context_off_hears_its_utterance_alon
         assert [f.before for f in said] == [None, None], (pause_ms, [f.text for f in said])
         for final in said:
             assert texts(final.words) == own_pass_words(transcriber, final, options)
+
+
+def test_a_pass_going_on_is_kept_only_where_its_words_lie_in_its_audio_and_reach_its_speechs_end():
+    """`went_on`: a pass that went on from the words before and stopped short of the utterance's speech
+    ("The train leaves from" for the whole sentence), or wrote words in the audio before it (the speech
+    the last final left out), is not the utterance's final: it is heard alone. With no words, only a
+    short utterance (a filler, a hum) keeps it."""
+    utterance = Utterance(1, speech_start_s=5.0, speech_end_s=7.0, audio=np.zeros(0, np.float32), audio_start_s=4.7)
+
+    def kept(*spans: tuple[float, float]) -> bool:
+        return went_on([Word(f" w{i}", start, end, 0.9) for i, (start, end) in enumerate(spans)], utterance, GOING_ON)
+
+    assert kept((4.7, 5.5), (5.5, 6.9))  # whisper's first word often starts where the audio does
+    assert kept((4.5, 5.5), (5.5, 6.2))  # its timings are loose; a fading last word the VAD hears longer
+    assert not kept((5.1, 5.9))  # stopped short
+    assert not kept((3.9, 4.3), (5.1, 6.9))  # a word in the speech before the utterance's audio
+    assert not kept()  # 2 s of speech, no word
+    short = Utterance(2, speech_start_s=9.0, speech_end_s=9.5, audio=np.zeros(0, np.float32), audio_start_s=8.7)
+    assert went_on([], short, GOING_ON)
 
 
 def test_a_hum_after_speech_ends_what_the_next_final_goes_on_from(speech, transcriber):
