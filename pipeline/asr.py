@@ -139,10 +139,13 @@ class AsrOptions:
     # as "Happy volcano's form."; a quiet "acoustic corpus" after "different than the" as no
     # speech). A pass that stops short of its utterance's speech or strays before its audio is
     # redone alone (`asr_stream.went_on`: whisper had stopped at "The river", and the next final
-    # wrote the rest timed in the speech before its own). Streamed WER and live caption delays with
-    # and without it: docs/benchmarks/README.md, "Streamed finals". 0: every final's pass hears its
-    # utterance alone.
-    context_pause_ms: int = 2000
+    # wrote the rest timed in the speech before its own). 0, the default: every final's pass hears
+    # its utterance alone. Going on cut streamed WER 0.191 -> 0.169 on `specvox bench asr-finals`,
+    # but its finals after speech came 42 ms later at p50 and ~200 ms at p95 (a pass that did not go
+    # on is done again alone) and the stream's CPU rose ~30%: a conversation waits on its final, so
+    # it is a caption stream's (caption_context_pause_ms, StreamConfig.context_pause_ms), whose live
+    # delays it did not change (docs/benchmarks/README.md, "Streamed finals").
+    context_pause_ms: int = 0
     context_s: float = 8.0  # the most audio before an utterance its final's pass hears
     # The least audio (s) the encoder is given on a pass with audio before its utterance. With
     # every pass in an 8 s window whisper went on from the words before worse (0.205); 10, 12 and

@@ -120,6 +120,10 @@ class Settings(BaseSettings):
     # this long, so a caption arrives within a few seconds of the words however long the speaker goes on
     # (asr.max_utterance_s, 25 s, otherwise). The guides' longest cue is 7 s (captions.max_duration_s).
     caption_max_utterance_s: float = 6.0
+    # Caption mode: an utterance begun less than this after the last one's speech ended goes on from the
+    # speech before it (the stream's asr.context_pause_ms, which is 0, off, for conversations): a sentence
+    # cut at a pause is heard whole, where its caption has time to wait (docs/architecture.md). 0: the asr's.
+    caption_context_pause_ms: int = 2000
 
     asr: AsrOptions = AsrOptions()
     llm: LlmOptions = LlmOptions()

@@ -120,10 +120,18 @@ class GatewayServicer(pb_grpc.GatewayServicer):
                                    self.settings.session_ttl_s)
         events = EventQueue(self.settings.limits.max_queued_events)  # bounded: a slow client is cut off
         return Conversation(session_id, config, audio_format, self.settings, Ports(
-            asr=GrpcAsrStream(self.stubs.asr, session_id, config.language, audio_format,
-                              self.settings.caption_max_utterance_s if config.mode == convert.Config.CAPTION else 0.0),
+            asr=self._asr_stream(session_id, config, audio_format),
             turns=StageTurnRunner(self.settings, self.redis, self.queues, self.stubs.llm, session_id, config),
             sink=events, clock=SystemClock()), speech_notices=speech_notices)
+
+    def _asr_stream(self, session_id: str, config: Any, audio_format: Any) -> GrpcAsrStream:
+        """The conversation's Transcribe stream. A caption stream's utterances are cut at
+        `caption_max_utterance_s` and go on from the speech before a pause (`caption_context_pause_ms`);
+        a conversation's take the asr's own settings, as its turns wait on each final."""
+        if config.mode != convert.Config.CAPTION:
+            return GrpcAsrStream(self.stubs.asr, session_id, config.language, audio_format)
+        return GrpcAsrStream(self.stubs.asr, session_id, config.language, audio_format,
+                             self.settings.caption_max_utterance_s, self.settings.caption_context_pause_ms)
 
 
 async def converse(conversation: Conversation, inputs: AsyncIterator[ClientInput]) -> AsyncIterator[Any]:

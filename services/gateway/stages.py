@@ -39,10 +39,11 @@ class GrpcAsrStream:
     updates, one write at a time (a gRPC stream takes no concurrent writes)."""
 
     def __init__(self, stub: Any, session_id: str, language: str, audio_format: Any,
-                 max_utterance_s: float = 0.0) -> None:
+                 max_utterance_s: float = 0.0, context_pause_ms: int = 0) -> None:
         self._stub = stub
         self._first = asr_pb.TranscribeRequest(config=asr_pb.StreamConfig(
-            session_id=session_id, language=language, format=audio_format, max_utterance_s=max_utterance_s))
+            session_id=session_id, language=language, format=audio_format, max_utterance_s=max_utterance_s,
+            context_pause_ms=context_pause_ms))
         self._call_made: Any = None
         self._sent_config = False
         self._writes = asyncio.Lock()

@@ -84,21 +84,25 @@ class AsrServicer(pb_grpc.AsrServicer):
             logs.bind(session_id=config.session_id)
             await self.sessions.require(config.session_id)
             events = self.recognize(config.format, config.language, _client_audio(request_iterator, clock),
-                                    max_utterance_s=config.max_utterance_s)
+                                    max_utterance_s=config.max_utterance_s, context_pause_ms=config.context_pause_ms)
             yield pb.TranscriptEvent(kind=Kind.READY, emitted_unix_ms=now_ms())
             async for event in events:
                 yield _event(clock, event)
 
     def recognize(self, fmt: common.AudioFormat, language: str, audio: AsyncIterator[bytes | str],
-                  phrases: Sequence[str] = (), max_utterance_s: float = 0.0) -> AsyncIterator[AsrEvent]:
+                  phrases: Sequence[str] = (), max_utterance_s: float = 0.0,
+                  context_pause_ms: int = 0) -> AsyncIterator[AsrEvent]:
         """One stream's recognition, what every surface of the asr service runs (Transcribe, Riva's
         StreamingRecognize and Recognize): `audio` yields the stream's bytes, and a str for a new
         prompt (`prompt_of`); `phrases`: the first prompt's; `max_utterance_s`: a cap under the
-        service's (0: the service's). Checked here, before any audio is read (ValueError, AudioFormatError)."""
+        service's, `context_pause_ms`: the stream's `AsrOptions.context_pause_ms` (each 0: the
+        service's). Checked here, before any audio is read (ValueError, AudioFormatError)."""
         decoder = WireAudioDecoder(fmt)
         checked = self.transcriber.check_language(language) if language else None
-        recognizer = StreamingRecognizer(self._options_capped(max_utterance_s), self.transcriber, checked,
-                                         self.cadence)
+        options = self._options_capped(max_utterance_s)
+        if context_pause_ms:
+            options = dataclasses.replace(options, context_pause_ms=context_pause_ms)
+        recognizer = StreamingRecognizer(options, self.transcriber, checked, self.cadence)
         recognizer.prompt = prompt_of_phrases(phrases)
         return self._recognize(recognizer, decoder, audio)
 

@@ -420,8 +420,8 @@ PAUSED_SPEECH = [("Hello,", 600, "can you tell me about a friendly robot dog?"),
                  ("I have a question,", 500, "how do volcanoes form?")]
 
 
-GOING_ON = AsrOptions(context_pause_ms=2000)  # the default: a final after a pause < 2 s goes on from the speech before
-ALONE = AsrOptions(context_pause_ms=0)  # every final's pass hears its utterance alone
+GOING_ON = AsrOptions(context_pause_ms=2000)  # a caption stream's: a final after a pause < 2 s goes on from before
+ALONE = AsrOptions(context_pause_ms=0)  # the default: every final's pass hears its utterance alone
 
 
 def own_pass_words(transcriber: Transcriber, final: FinalTranscript, options: AsrOptions) -> list[str]:

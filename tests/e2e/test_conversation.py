@@ -191,6 +191,18 @@ async def test_caption_mode_times_cleaned_captions_on_the_input_timeline(stack, 
     assert captioned[0].caption.cues[0].start_s < captioned[1].caption.cues[0].start_s
 
 
+async def test_caption_mode_hears_a_sentence_cut_at_a_pause_whole(stack, speech):
+    """In caption mode the gateway asks the asr to go on from the speech before a pause
+    (caption_context_pause_ms): "how do volcanoes form?" after "I have a question," and half a second
+    is captioned as said, where the same audio heard alone is "Happy volcano's form." (whisper tiny;
+    tests/e2e/test_services.py streams it both ways)."""
+    paused = np.concatenate([speech("I have a question,"), np.zeros(8000, np.float32),
+                             speech("how do volcanoes form?")])
+    turns = await talk(stack, [Say(pcm(paused))], mode=gw.SessionConfig.CAPTION)
+    captions = [t.caption.text for t in turns if t.caption is not None]
+    assert len(captions) == 2 and "how do volcanoes form" in captions[1].lower(), captions
+
+
 @pytest.mark.parametrize(("config", "field"), [
     ({"voice": "nobody"}, "config.voice"),
     ({"drafter": "telepathy"}, "config.drafter"),

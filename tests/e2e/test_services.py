@@ -199,6 +199,32 @@ async def test_asr_context_prompts_whisper_with_the_expected_phrases(channels, s
     assert "spider" in normalised_text(" ".join(finals)), finals
 
 
+async def test_a_stream_may_ask_to_go_on_from_the_speech_before_a_pause(channels, session_id, speech, transcriber):
+    """`StreamConfig.context_pause_ms`, which the gateway asks for in caption mode: the asr's finals are then
+    the recognizer's going on from the speech before a pause, word for word; 0 (the service's, off) hears each
+    utterance alone, where whisper tiny wrote "how do volcanoes form?" after "I have a question," as
+    "Happy volcano's form."."""
+    from pipeline.asr import AsrOptions
+    from pipeline.asr_stream import FinalTranscript, StreamingRecognizer
+    from pipeline.audio import PcmFormat, pcm_to_mono_float
+
+    stub = asr_grpc.AsrStub(channels["asr"])
+    pcm = float_to_pcm16(np.concatenate([speech("I have a question,"), np.zeros(8000, np.float32),
+                                         speech("how do volcanoes form?")]))
+    audio = pcm_to_mono_float(pcm, PcmFormat(16_000, 1, 2))  # what the asr hears of it
+    heard = {}
+    for pause_ms in (0, 2000):
+        config = pcm_config(session_id)
+        config.config.context_pause_ms = pause_ms
+        heard[pause_ms] = [e.text async for e in stub.Transcribe(iter([config, asr.TranscribeRequest(audio=pcm)]))
+                           if e.kind == asr.TranscriptEvent.FINAL]
+        recognizer = StreamingRecognizer(AsrOptions(context_pause_ms=pause_ms), transcriber)
+        events = [e for start in range(0, audio.size, 1600) for e in recognizer.feed(audio[start:start + 1600])]
+        in_process = [e.text for e in [*events, *recognizer.finish()] if isinstance(e, FinalTranscript)]
+        assert heard[pause_ms] == in_process, pause_ms
+    assert len(heard[0]) == 2 and heard[0] != heard[2000], heard
+
+
 async def test_llm_rejects_bad_input_then_replies(channels, stack, session_id):
     stub = llm_grpc.LlmStub(channels["llm"])
     redis = connect(stack["redis"])
