@@ -19,14 +19,15 @@ silence (`speech_ending`) is that final's pass if the silence lasts, so its part
 final's words, committed, and may change words earlier partials had committed; the final then
 costs no pass of its own. The partials in between never take a committed word back.
 
-With `asr.context_pause_ms` (2000 by default; 0 turns it off) a sentence cut at a pause is heard
-whole: the final's pass of an utterance begun less than that after the last one hears the
-stream's audio of the utterances just before it (`SpeechBefore`, at most `asr.context_s`) and
-goes on from their finals' words, which whisper is given as already written; the final is the
-words after them, so nothing said before a pause is said again ("Hello Hello, can you…"). Such
-a pass is the final only where its words lie in the utterance's audio and reach the end of its
-speech (`went_on`); else the utterance is heard alone. Partial passes hear the open utterance
-alone: they are many, and the final may change their words anyway.
+With `asr.context_pause_ms` (0, off, by default; a stream may ask for it, as the gateway's
+caption streams do) a sentence cut at a pause is heard whole: the final's pass of an utterance
+begun less than that after the last one hears the stream's audio of the utterances just before
+it (`SpeechBefore`, at most `asr.context_s`) and goes on from their finals' words, which whisper
+is given as already written; the final is the words after them, so nothing said before a pause
+is said again ("Hello Hello, can you…"). Such a pass is the final only where its words lie in
+the utterance's audio and reach the end of its speech (`went_on`); else the utterance is heard
+alone. Partial passes hear the open utterance alone: they are many, and the final may change
+their words anyway.
 """
 
 from __future__ import annotations

@@ -205,8 +205,9 @@ async def test_a_stream_may_ask_to_go_on_from_the_speech_before_a_pause(channels
     utterance alone, where whisper tiny wrote "how do volcanoes form?" after "I have a question," as
     "Happy volcano's form."."""
     from pipeline.asr import AsrOptions
-    from pipeline.asr_stream import FinalTranscript, StreamingRecognizer
+    from pipeline.asr_stream import StreamingRecognizer
     from pipeline.audio import PcmFormat, pcm_to_mono_float
+    from tests.e2e.test_asr_stream import finals, stream
 
     stub = asr_grpc.AsrStub(channels["asr"])
     pcm = float_to_pcm16(np.concatenate([speech("I have a question,"), np.zeros(8000, np.float32),
@@ -218,9 +219,8 @@ async def test_a_stream_may_ask_to_go_on_from_the_speech_before_a_pause(channels
         config.config.context_pause_ms = pause_ms
         heard[pause_ms] = [e.text async for e in stub.Transcribe(iter([config, asr.TranscribeRequest(audio=pcm)]))
                            if e.kind == asr.TranscriptEvent.FINAL]
-        recognizer = StreamingRecognizer(AsrOptions(context_pause_ms=pause_ms), transcriber)
-        events = [e for start in range(0, audio.size, 1600) for e in recognizer.feed(audio[start:start + 1600])]
-        in_process = [e.text for e in [*events, *recognizer.finish()] if isinstance(e, FinalTranscript)]
+        in_process = [f.text for f in finals(stream(StreamingRecognizer(AsrOptions(context_pause_ms=pause_ms),
+                                                                        transcriber), audio))]
         assert heard[pause_ms] == in_process, pause_ms
     assert len(heard[0]) == 2 and heard[0] != heard[2000], heard
 
