@@ -59,12 +59,14 @@ CODED_FORMS = ("int4-exact", "int4-q8")
 # A pass of up to this many tokens a row decodes or verifies; a longer one is a prompt's prefill,
 # which runs batched attention and dense products (the fastest there, whatever the weights' form).
 DECODE_MAX_TOKENS = 32
-# With int4-q8 weights a prompt of up to this many tokens is prefilled through the fused C++ pass, every row
-# alone, 1.3-2.2× faster than torch's batched pass over the dense weights from 40 to 300 tokens; a longer
-# one, whose row-by-row attention catches up with its products (even at 600), through torch's pass. On
-# float32 activations (int4-exact) the fused pass won only below ~80 tokens, so those prompts stay dense
-# past DECODE_MAX_TOKENS (docs/benchmarks/history.md, 2026-12-05).
-FUSED_PREFILL_TOKENS = 512
+# A prompt of up to this many tokens is prefilled through the fused C++ pass, every row alone, as decoding
+# computes it; a longer one through torch's batched pass over the dense weights. int4-q8: 1.3-2.2× faster
+# from 40 to 300 tokens, its row-by-row attention catching up with its products past 512 (docs/benchmarks/
+# history.md, 2026-12-05). int4-exact (float32 activations), 2026-12-07: on the idle machine 1.8× faster at
+# 33 tokens, 1.2× at 48, even from 64 to 160 and 20% slower at 300; with the other core busy, as the asr
+# keeps it while a caption or reply is written live, 1.2-2× faster at every length to 450 (a caption's
+# prompt of 34-38 new tokens took 0.31-0.33 s dense against 0.08-0.13 s fused).
+FUSED_PREFILL_TOKENS = {"int4-q8": 512, "int4-exact": 160}
 
 
 @dataclass
@@ -136,9 +138,8 @@ class LeanLlama:
         self._cos = self._sin = self.embed.new_zeros(0, self.head_dim)
         self.fused = fused
         self.step = self._lean_step()
-        # a longer pass than a decoding one that still runs fused: int4-q8's prompts (`FUSED_PREFILL_TOKENS`)
-        self.fused_prefill_tokens = (FUSED_PREFILL_TOKENS if getattr(self.linear, "int8_activations", False)
-                                     else DECODE_MAX_TOKENS)
+        # a longer pass than a decoding one that still runs fused: a prompt's (`FUSED_PREFILL_TOKENS`)
+        self.fused_prefill_tokens = FUSED_PREFILL_TOKENS.get(getattr(self.linear, "form", ""), DECODE_MAX_TOKENS)
         self.graphs, self.graph_tokens = graphs, graph_tokens
         self.graphed, self.graph_buffers = self._graphed_pass_parts()
         # None, or a float64 [4] tensor to which the C++ pass adds its seconds by part (products,

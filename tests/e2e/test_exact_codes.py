@@ -466,16 +466,14 @@ def loaded_q8():
 
 
 @needs_kernel
-def test_an_int4_q8_prompt_is_prefilled_by_the_fused_pass_each_row_as_its_own_one_token_pass(loaded_q8,
-                                                                                            loaded_exact):
-    """With int4-q8 weights a prompt past DECODE_MAX_TOKENS goes through the C++ pass too (1.3-2.2×
-    faster than torch's batched pass over the dense weights, lean_llama.FUSED_PREFILL_TOKENS), every
-    row alone: its cache and last logits are bit for bit what one-token steps compute. int4-exact's
-    stay dense (the fused pass won only on short prompts there)."""
-    assert loaded_exact.lean.fused_prefill_tokens == DECODE_MAX_TOKENS
-    lean = loaded_q8.lean
-    loaded = loaded_q8
-    assert loaded.weights == "int4-q8" and lean.step is not None
+@pytest.mark.parametrize("form", ["int4-q8", "int4-exact"])
+def test_a_prompt_is_prefilled_by_the_fused_pass_each_row_as_its_own_one_token_pass(request, form):
+    """A prompt past DECODE_MAX_TOKENS goes through the C++ pass too (up to lean_llama.FUSED_PREFILL_TOKENS
+    by form: faster than torch's batched pass over the dense weights there), every row alone: its cache and
+    last logits are bit for bit what one-token steps compute."""
+    loaded = request.getfixturevalue({"int4-q8": "loaded_q8", "int4-exact": "loaded_exact"}[form])
+    lean = loaded.lean
+    assert loaded.weights == form and lean.step is not None
     prompt = encode_chat(loaded.tokenizer, chat_messages(Task.DIALOGUE, "Tell me how a rainbow forms, in two lines."))
     assert DECODE_MAX_TOKENS < len(prompt) <= lean.fused_prefill_tokens
     ids = torch.tensor([prompt])
