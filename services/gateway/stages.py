@@ -38,12 +38,12 @@ class GrpcAsrStream:
     """asr's Transcribe stream for one conversation: its config first, then audio and context
     updates, one write at a time (a gRPC stream takes no concurrent writes)."""
 
-    def __init__(self, stub: Any, session_id: str, language: str, audio_format: Any,
-                 max_utterance_s: float = 0.0, context_pause_ms: int = 0) -> None:
+    def __init__(self, stub: Any, session_id: str, language: str, audio_format: Any, **asked: Any) -> None:
+        """`asked`: what the stream asks of the asr's options (StreamConfig's max_utterance_s,
+        context_pause_ms, vad_threshold; none: the service's)."""
         self._stub = stub
         self._first = asr_pb.TranscribeRequest(config=asr_pb.StreamConfig(
-            session_id=session_id, language=language, format=audio_format, max_utterance_s=max_utterance_s,
-            context_pause_ms=context_pause_ms))
+            session_id=session_id, language=language, format=audio_format, **asked))
         self._call_made: Any = None
         self._sent_config = False
         self._writes = asyncio.Lock()

@@ -84,37 +84,46 @@ class AsrServicer(pb_grpc.AsrServicer):
             logs.bind(session_id=config.session_id)
             await self.sessions.require(config.session_id)
             events = self.recognize(config.format, config.language, _client_audio(request_iterator, clock),
-                                    max_utterance_s=config.max_utterance_s, context_pause_ms=config.context_pause_ms)
+                                    max_utterance_s=config.max_utterance_s, context_pause_ms=config.context_pause_ms,
+                                    vad_threshold=config.vad_threshold)
             yield pb.TranscriptEvent(kind=Kind.READY, emitted_unix_ms=now_ms())
             async for event in events:
                 yield _event(clock, event)
 
     def recognize(self, fmt: common.AudioFormat, language: str, audio: AsyncIterator[bytes | str],
                   phrases: Sequence[str] = (), max_utterance_s: float = 0.0,
-                  context_pause_ms: int = 0) -> AsyncIterator[AsrEvent]:
+                  context_pause_ms: int = 0, vad_threshold: float = 0.0) -> AsyncIterator[AsrEvent]:
         """One stream's recognition, what every surface of the asr service runs (Transcribe, Riva's
         StreamingRecognize and Recognize): `audio` yields the stream's bytes, and a str for a new
-        prompt (`prompt_of`); `phrases`: the first prompt's; `max_utterance_s`: a cap under the
-        service's, `context_pause_ms`: the stream's `AsrOptions.context_pause_ms` (each 0: the
-        service's). Checked here, before any audio is read (ValueError, AudioFormatError)."""
+        prompt (`prompt_of`); `phrases`: the first prompt's; the rest, what the stream asks of its
+        `AsrOptions` (`_stream_options`). Checked here, before any audio is read (ValueError,
+        AudioFormatError)."""
         decoder = WireAudioDecoder(fmt)
         checked = self.transcriber.check_language(language) if language else None
-        options = self._options_capped(max_utterance_s)
-        if context_pause_ms:
-            options = dataclasses.replace(options, context_pause_ms=context_pause_ms)
+        options = self._stream_options(max_utterance_s, context_pause_ms, vad_threshold)
         recognizer = StreamingRecognizer(options, self.transcriber, checked, self.cadence)
         recognizer.prompt = prompt_of_phrases(phrases)
         return self._recognize(recognizer, decoder, audio)
 
-    def _options_capped(self, max_utterance_s: float) -> AsrOptions:
+    def _stream_options(self, max_utterance_s: float, context_pause_ms: int, vad_threshold: float) -> AsrOptions:
+        """The service's options with what a stream asks for (StreamConfig; each 0: the service's):
+        `max_utterance_s`, a cap under the service's; `context_pause_ms`; `vad_threshold`, 0 to 1."""
+        options = self.options
         if not math.isfinite(max_utterance_s) or max_utterance_s < 0:
             raise ValueError(f"max_utterance_s must be 0 (the service's) or a positive number of seconds, "
                              f"not {max_utterance_s}")
-        if not max_utterance_s or max_utterance_s >= self.options.max_utterance_s:
-            return self.options
-        if max_utterance_s < MIN_UTTERANCE_CAP_S:
-            raise ValueError(f"max_utterance_s must be at least {MIN_UTTERANCE_CAP_S:g} s, not {max_utterance_s:g}")
-        return dataclasses.replace(self.options, max_utterance_s=max_utterance_s)
+        if max_utterance_s and max_utterance_s < options.max_utterance_s:
+            if max_utterance_s < MIN_UTTERANCE_CAP_S:
+                raise ValueError(f"max_utterance_s must be at least {MIN_UTTERANCE_CAP_S:g} s, not {max_utterance_s:g}")
+            options = dataclasses.replace(options, max_utterance_s=max_utterance_s)
+        if context_pause_ms:
+            options = dataclasses.replace(options, context_pause_ms=context_pause_ms)
+        if not math.isfinite(vad_threshold) or not 0 <= vad_threshold < 1:
+            raise ValueError(f"vad_threshold must be 0 (the service's) or a speech probability under 1, "
+                             f"not {vad_threshold:g}")
+        if vad_threshold:
+            options = dataclasses.replace(options, vad_threshold=vad_threshold)
+        return options
 
     async def _recognize(self, recognizer: StreamingRecognizer, decoder: WireAudioDecoder,
                          audio: AsyncIterator[bytes | str]) -> AsyncIterator[AsrEvent]:

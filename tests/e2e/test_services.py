@@ -146,10 +146,12 @@ async def test_each_service_is_healthy_and_reflects_its_api(channels, service):
 
 
 def pcm_config(session: str, width: int = 2, encoding=common.AudioFormat.PCM_S16LE, rate: int = 16_000,
-               language: str = "", max_utterance_s: float = 0.0):
+               language: str = "", **asked):
+    """The config of a stream of 16-bit PCM; `asked`: StreamConfig's max_utterance_s, context_pause_ms,
+    vad_threshold."""
     fmt = common.AudioFormat(encoding=encoding, sample_rate_hz=rate, channels=1, sample_width_bytes=width)
     return asr.TranscribeRequest(config=asr.StreamConfig(session_id=session, language=language, format=fmt,
-                                                         max_utterance_s=max_utterance_s))
+                                                         **asked))
 
 
 async def test_asr_rejects_bad_input_then_transcribes(channels, session_id, speech):
@@ -167,6 +169,8 @@ async def test_asr_rejects_bad_input_then_transcribes(channels, session_id, spee
         (grpc.StatusCode.INVALID_ARGUMENT, "max_utterance_s must be 0", [pcm_config(session_id, max_utterance_s=-1),
                                                                         audio]),
         (grpc.StatusCode.INVALID_ARGUMENT, "at least 2 s", [pcm_config(session_id, max_utterance_s=0.5), audio]),
+        (grpc.StatusCode.INVALID_ARGUMENT, "vad_threshold must be", [pcm_config(session_id, vad_threshold=1.5), audio]),
+        (grpc.StatusCode.INVALID_ARGUMENT, "not nan", [pcm_config(session_id, vad_threshold=float("nan")), audio]),
         (grpc.StatusCode.NOT_FOUND, "unknown session", [pcm_config("no-such-session"), audio]),
         (grpc.StatusCode.INVALID_ARGUMENT, "first message", [audio]),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max",
@@ -223,6 +227,33 @@ async def test_a_stream_may_ask_to_go_on_from_the_speech_before_a_pause(channels
                                                                         transcriber), audio))]
         assert heard[pause_ms] == in_process, pause_ms
     assert len(heard[0]) == 2 and heard[0] != heard[2000], heard
+
+
+async def test_a_stream_may_ask_for_its_own_vad_threshold(channels, session_id, speech, transcriber):
+    """`StreamConfig.vad_threshold`, which the gateway asks for in caption mode (0.35, so that quiet speech is
+    not missed): the asr's finals are then the recognizer's at that threshold, word for word and to the
+    millisecond of their speech's end, which comes later than at the service's 0.5 (Silero's end of speech is
+    where its probability falls under the threshold less 0.15)."""
+    from pipeline.asr import AsrOptions
+    from pipeline.asr_stream import StreamingRecognizer
+    from pipeline.audio import PcmFormat, pcm_to_mono_float
+    from tests.e2e.test_asr_stream import finals, stream
+
+    stub = asr_grpc.AsrStub(channels["asr"])
+    pcm = float_to_pcm16(np.concatenate([speech("Could you read the next line more slowly?"),
+                                         np.zeros(8000, np.float32)]))
+    audio = pcm_to_mono_float(pcm, PcmFormat(16_000, 1, 2))
+    ends = {}
+    for threshold in (0.0, 0.2):
+        heard = [(e.text, round(e.speech_end_s, 3)) async for e in stub.Transcribe(iter([
+            pcm_config(session_id, vad_threshold=threshold), asr.TranscribeRequest(audio=pcm)]))
+            if e.kind == asr.TranscriptEvent.FINAL]
+        options = AsrOptions(vad_threshold=threshold) if threshold else AsrOptions()
+        in_process = [(f.text, round(f.utterance.speech_end_s, 3))
+                      for f in finals(stream(StreamingRecognizer(options, transcriber), audio))]
+        assert heard == in_process, threshold
+        ends[threshold] = [end for _, end in heard]
+    assert len(ends[0.0]) == len(ends[0.2]) == 1 and ends[0.2][0] > ends[0.0][0], ends
 
 
 async def test_llm_rejects_bad_input_then_replies(channels, stack, session_id):
