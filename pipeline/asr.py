@@ -70,6 +70,9 @@ class AsrOptions:
     # from the cross-attention alignment either way.
     without_timestamps: bool = False
     vad_threshold: float = 0.5
+    # A window under this speech probability is silence, and end_of_speech_silence_ms of them close the
+    # utterance. 0: vad_threshold - 0.15, Silero's own hysteresis (`silence_threshold`).
+    vad_silence_threshold: float = 0.0
     speech_start_ms: int = 200  # speech heard for this long starts an utterance (shorter blips are ignored)
     # Voice heard for this long (the first to the last window at or above vad_threshold) is reported
     # at once as VOICE_STARTED, before it is known to be speech: the gateway pauses a speaking avatar
@@ -252,13 +255,18 @@ class SileroProbabilities:
         self.probs = self.probs[windows:]
 
 
+def silence_threshold(options: AsrOptions) -> float:
+    """The speech probability under which a window is silence (`AsrOptions.vad_silence_threshold`)."""
+    return options.vad_silence_threshold or max(options.vad_threshold - 0.15, 0.01)
+
+
 def speech_spans(probs: np.ndarray, audio_samples: int, threshold: float, min_speech_ms: int,
-                 min_silence_ms: int) -> list[dict]:
+                 min_silence_ms: int, negative: float) -> list[dict]:
     """Speech spans (sample offsets) from window probabilities, as faster-whisper's
     `get_speech_timestamps` finds them (no padding, no length cap): speech starts at a window
-    at or above `threshold`, and ends where `min_silence_ms` below `threshold - 0.15` begin;
-    spans not longer than `min_speech_ms` are dropped. A span still open runs to `audio_samples`."""
-    negative = max(threshold - 0.15, 0.01)
+    at or above `threshold`, and ends where `min_silence_ms` below `negative` begin (faster-whisper's
+    is `threshold - 0.15`); spans not longer than `min_speech_ms` are dropped. A span still open runs
+    to `audio_samples`."""
     min_speech = SAMPLE_RATE_HZ * min_speech_ms / 1000
     min_silence = SAMPLE_RATE_HZ * min_silence_ms / 1000
     spans: list[dict] = []
@@ -320,7 +328,7 @@ class VoiceTracker:
 
     def __init__(self, options: AsrOptions) -> None:
         self.threshold = options.vad_threshold
-        self.negative = max(options.vad_threshold - 0.15, 0.01)  # as speech_spans
+        self.negative = silence_threshold(options)  # as speech_spans
         self.voice_start = SAMPLE_RATE_HZ * options.voice_start_ms / 1000
         self.min_silence = SAMPLE_RATE_HZ * options.end_of_speech_silence_ms / 1000
         self.windows = 0  # the stream's windows looked at so far
@@ -445,7 +453,8 @@ class UtteranceSegmenter:
         """
         o = self.options
         probs = self._probs.extend(self._buffer)
-        spans = speech_spans(probs, self._buffer.size, o.vad_threshold, o.speech_start_ms, o.end_of_speech_silence_ms)
+        spans = speech_spans(probs, self._buffer.size, o.vad_threshold, o.speech_start_ms, o.end_of_speech_silence_ms,
+                             silence_threshold(o))
         if spans and spans[-1]["end"] == self._buffer.size and not self._is_speech(spans[-1], probs):
             spans.pop()  # still open and not yet speech_start_ms long (a blip, or speech about to start)
         self.voice_events = self.voice.update(probs, self._buffer_start // VAD_WINDOW,
@@ -485,7 +494,7 @@ class UtteranceSegmenter:
         (`speech_spans` counts an open span's silence too, so a 60 ms cough followed by 150 ms
         of silence would count as 200 ms of speech)."""
         voiced_to = probs.size * VAD_WINDOW  # the end of the last whole window
-        negative = max(self.options.vad_threshold - 0.15, 0.01)
+        negative = silence_threshold(self.options)
         for i in range(span["start"] // VAD_WINDOW, probs.size):
             if probs[i] >= self.options.vad_threshold:
                 voiced_to = probs.size * VAD_WINDOW
@@ -502,7 +511,7 @@ class UtteranceSegmenter:
         """
         first = max(span["start"], self._buffer.size - SAMPLE_RATE_HZ) // VAD_WINDOW
         tail = speech_spans(self._probs.probs[first:], self._buffer.size - first * VAD_WINDOW,
-                            self.options.vad_threshold, 0, VAD_FRAME_MS)
+                            self.options.vad_threshold, 0, VAD_FRAME_MS, silence_threshold(self.options))
         return first * VAD_WINDOW + tail[-1]["end"] if tail else span["start"] + 1
 
     def _close(self, start: int, end: int) -> Utterance:

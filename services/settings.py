@@ -124,11 +124,14 @@ class Settings(BaseSettings):
     # speech before it (the stream's asr.context_pause_ms, which is 0, off, for conversations): a sentence
     # cut at a pause is heard whole, where its caption has time to wait (docs/architecture.md). 0: the asr's.
     caption_context_pause_ms: int = 2000
-    # Caption mode: the VAD's speech threshold for the stream (asr.vad_threshold, 0.5, otherwise). At 0.5
-    # Silero misses quiet speech whole. Going on from the speech before, on `specvox bench asr-finals`' clips,
-    # streamed WER 0.169 -> 0.151 as is and 0.211 -> 0.174 2 dB quieter (0.3: 0.157, 0.171; 0.25: 0.164,
-    # 0.165). A conversation keeps 0.5, as its avatar pauses on the voice the VAD hears. 0: the asr's.
-    caption_vad_threshold: float = 0.35
+    # Caption mode: where the VAD hears speech begin on the stream (asr.vad_threshold, 0.5, otherwise; its
+    # silence stays under 0.35, the asr's, or under this where lower). At 0.5 Silero misses quiet speech
+    # whole. Going on from the speech before, on `specvox bench asr-finals`' clips, streamed WER as is / 2 dB
+    # quieter / mean of 4 versions: 0.169 / 0.211 / 0.178 at 0.5, 0.155 / 0.174 / 0.158 at 0.3. Silence
+    # under 0.2 too (Silero's hysteresis at 0.35) did alike (mean 0.155) but joined utterances live across
+    # short pauses ("in 2019." + "Uh, for work." as "in 2019, forward."), later and garbled. A
+    # conversation keeps 0.5, as its avatar pauses on the voice the VAD hears. 0: the asr's.
+    caption_vad_threshold: float = 0.3
 
     asr: AsrOptions = AsrOptions()
     llm: LlmOptions = LlmOptions()

@@ -18,6 +18,7 @@ from pipeline.asr import (
     VoiceEnded,
     VoiceStarted,
     VoiceTracker,
+    silence_threshold,
     speech_spans,
 )
 from pipeline.asr_stream import spoken_words
@@ -111,7 +112,7 @@ def test_streamed_vad_probabilities_and_spans_equal_faster_whispers_whole_buffer
     for silence_ms in (32, 400):
         whole = get_speech_timestamps(audio, VadOptions(threshold=0.5, min_speech_duration_ms=200,
                                                         min_silence_duration_ms=silence_ms, speech_pad_ms=0))
-        assert speech_spans(probs, audio.size, 0.5, 200, silence_ms) == whole
+        assert speech_spans(probs, audio.size, 0.5, 200, silence_ms, 0.35) == whole
         assert len(whole) >= 2
 
 
@@ -191,6 +192,20 @@ def test_the_voice_of_an_utterance_is_reported_first_and_never_ended():
     assert events == [VoiceStarted(window_s(1), window_s(10))]
 
 
+def test_a_dip_under_the_silence_threshold_ends_the_speech():
+    """A 320 ms dip to probability 0.3 between two voiced stretches: silence where the silence threshold is
+    the service's at vad_threshold 0.5 (0.35), speech at vad_threshold 0.35 with Silero's own hysteresis
+    (0.2), and silence again where a stream keeps 0.35 as its silence threshold (vad_silence_threshold)."""
+    probs = np.array([0.9] * 10 + [0.3] * 10 + [0.9] * 10 + [0.02] * 10, np.float32)
+    size = probs.size * VAD_WINDOW
+    spans = {}
+    for name, options in {"0.5": AsrOptions(), "0.35": AsrOptions(vad_threshold=0.35),
+                          "0.35, silence 0.35": AsrOptions(vad_threshold=0.35, vad_silence_threshold=0.35)}.items():
+        spans[name] = [(s["start"] // VAD_WINDOW, s["end"] // VAD_WINDOW) for s in speech_spans(
+            probs, size, options.vad_threshold, 200, 150, silence_threshold(options))]
+    assert spans == {"0.5": [(0, 10), (20, 30)], "0.35": [(0, 30)], "0.35, silence 0.35": [(0, 10), (20, 30)]}
+
+
 def test_voice_spans_are_the_spans_speech_is_found_in():
     """On random probabilities, seen a few windows per check: every span speech_spans finds (any
     length) with voice_start_ms of voice is reported once, and ended unless it holds speech."""
@@ -200,10 +215,10 @@ def test_voice_spans_are_the_spans_speech_is_found_in():
         levels = rng.choice([0.02, 0.4, 0.9], size=rng.integers(5, 60), p=[0.5, 0.1, 0.4])
         probs = np.repeat(levels, rng.integers(1, 5, levels.size)).astype(np.float32)
         size = probs.size * VAD_WINDOW
-        utterances = [s["start"] for s in speech_spans(probs, size, 0.5, options.speech_start_ms, 150)]
+        utterances = [s["start"] for s in speech_spans(probs, size, 0.5, options.speech_start_ms, 150, 0.35)]
         events = track(probs, utterances, options, per_check=int(rng.integers(1, 5)), finish=True)
         expected = []
-        for span in speech_spans(probs, size, 0.5, 0, 150):
+        for span in speech_spans(probs, size, 0.5, 0, 150, 0.35):
             span_windows = probs[span["start"] // VAD_WINDOW : span["end"] // VAD_WINDOW]
             last_voiced = span["start"] + (np.flatnonzero(span_windows >= 0.5)[-1] + 1) * VAD_WINDOW
             if span["start"] in utterances or last_voiced - span["start"] >= 1024:

@@ -230,10 +230,10 @@ async def test_a_stream_may_ask_to_go_on_from_the_speech_before_a_pause(channels
 
 
 async def test_a_stream_may_ask_for_its_own_vad_threshold(channels, session_id, speech, transcriber):
-    """`StreamConfig.vad_threshold`, which the gateway asks for in caption mode (0.35, so that quiet speech is
-    not missed): the asr's finals are then the recognizer's at that threshold, word for word and to the
-    millisecond of their speech's end, which comes later than at the service's 0.5 (Silero's end of speech is
-    where its probability falls under the threshold less 0.15)."""
+    """`StreamConfig.vad_threshold`, which the gateway asks for in caption mode (0.3, so that quiet speech is
+    not missed): the asr's finals are then the recognizer's with speech beginning at that threshold and its
+    silence under it too where that is lower than the service's (0.35), word for word and to the millisecond
+    of their speech's end, which at 0.2 comes later than at the service's 0.5."""
     from pipeline.asr import AsrOptions
     from pipeline.asr_stream import StreamingRecognizer
     from pipeline.audio import PcmFormat, pcm_to_mono_float
@@ -248,7 +248,7 @@ async def test_a_stream_may_ask_for_its_own_vad_threshold(channels, session_id, 
         heard = [(e.text, round(e.speech_end_s, 3)) async for e in stub.Transcribe(iter([
             pcm_config(session_id, vad_threshold=threshold), asr.TranscribeRequest(audio=pcm)]))
             if e.kind == asr.TranscriptEvent.FINAL]
-        options = AsrOptions(vad_threshold=threshold) if threshold else AsrOptions()
+        options = AsrOptions(vad_threshold=threshold, vad_silence_threshold=threshold) if threshold else AsrOptions()
         in_process = [(f.text, round(f.utterance.speech_end_s, 3))
                       for f in finals(stream(StreamingRecognizer(options, transcriber), audio))]
         assert heard == in_process, threshold
