@@ -25,7 +25,8 @@ Sections, each printed as soon as it is done:
   loudest, before the gateway's own end of speech + 0.3 s and before the next caption's first word) to the
   arrival of its cleaned Caption event at the client (provisional ones, the ASR's words while the user
   speaks, are counted apart), p50 / p95 (goal ≤ 400 / 800 ms); the live captions' WER, words never said,
-  timing, and the style violations of their lines (Caption.lines, each caption an utterance).
+  timing, and the style violations of their lines (Caption.lines, each caption an utterance); and where
+  the delay went, from the stages' own clocks in the turn's report (`STAGE_DELAYS`).
 
 `--quick`: one human clip and one bundled-voice sentence pair, file section only (the CI share:
 tests/e2e/test_bench_captions.py).
@@ -344,7 +345,8 @@ def judge_live(clip: BenchClip, results: list) -> dict:
         if delay is not None:
             delays.append(delay)
         rows.append({"transcript": r.transcript, "caption": r.caption.text, "speech_end_s": round(end, 3),
-                     "vad_end_s": round(r.speech_end_s, 3), "delay_ms": None if delay is None else round(delay)})
+                     "vad_end_s": round(r.speech_end_s, 3), "delay_ms": None if delay is None else round(delay),
+                     **_stage_delays(r.report, started_ms + end * 1000 if started_ms is not None else None)})
     from pipeline.captions import Cue
 
     utterances = [Captioned(r.transcript, r.caption.text, [(c.text, c.start_s, c.end_s) for c in r.caption.cues])
@@ -354,8 +356,29 @@ def judge_live(clip: BenchClip, results: list) -> dict:
     row = judge(clip, utterances, lines)
     failed = [r.report.get("finish_reason") for r in results if r.report and r.caption is None]
     return row | {"delay_ms_p50": percentile(delays, 50), "delay_ms_p95": percentile(delays, 95),
+                  **{f"{name}_p50": percentile(values, 50) for name, values in _by_stage(rows).items()},
+                  **{f"{name}_p95": percentile(values, 95) for name, values in _by_stage(rows).items()},
                   "captions": len(captioned), "turns_without_caption": failed,
                   "provisional_captions": sum(len(r.provisional_captions) for r in results), "rows": rows}
+
+
+# Where a live caption's delay goes: when the asr sent its final, the llm took its request and finished its
+# caption (each from the stage's own clock, ms after the same end of speech as the delay).
+STAGE_DELAYS = {"final_ms": ("asr", "last_out_unix_ms"), "llm_in_ms": ("llm", "first_in_unix_ms"),
+                "llm_done_ms": ("llm", "last_out_unix_ms")}
+
+
+def _stage_delays(report: dict, speech_end_unix_ms: float | None) -> dict:
+    stages = report.get("stages", {}) if report else {}
+    out = {}
+    for name, (stage, field_name) in STAGE_DELAYS.items():
+        value = stages.get(stage, {}).get(field_name)
+        out[name] = round(value - speech_end_unix_ms) if value and speech_end_unix_ms is not None else None
+    return out
+
+
+def _by_stage(rows: list[dict]) -> dict[str, list[int]]:
+    return {name: [r[name] for r in rows if r.get(name) is not None] for name in STAGE_DELAYS}
 
 
 def run_live(settings, clips: list[BenchClip], work: Path) -> dict:
@@ -376,6 +399,9 @@ def run_live(settings, clips: list[BenchClip], work: Path) -> dict:
         out["log"] = str(stack.log)
     all_delays = [d["delay_ms"] for r in out["rows"] for d in r.get("rows", []) if d["delay_ms"] is not None]
     out["delay_ms_p50"], out["delay_ms_p95"] = percentile(all_delays, 50), percentile(all_delays, 95)
+    every = _by_stage([d for r in out["rows"] for d in r.get("rows", [])])
+    for name, values in every.items():
+        out[f"{name}_p50"], out[f"{name}_p95"] = percentile(values, 50), percentile(values, 95)
     return out
 
 
@@ -423,7 +449,10 @@ def print_tables(results: dict) -> None:
                   f"{r['style_violations']} | {tail} |")
         if section == "live":
             print(f"all utterances: delay p50 {_na(part['delay_ms_p50'])} ms, p95 {_na(part['delay_ms_p95'])} ms "
-                  f"(goal ≤ {GOALS['live_delay_p50_ms']} / {GOALS['live_delay_p95_ms']})")
+                  f"(goal ≤ {GOALS['live_delay_p50_ms']} / {GOALS['live_delay_p95_ms']}); after the end of speech, "
+                  f"p50 / p95 ms: the asr's final {_na(part.get('final_ms_p50'))} / {_na(part.get('final_ms_p95'))}, "
+                  f"the llm took it {_na(part.get('llm_in_ms_p50'))} / {_na(part.get('llm_in_ms_p95'))}, "
+                  f"cleaned {_na(part.get('llm_done_ms_p50'))} / {_na(part.get('llm_done_ms_p95'))}")
     if "drafter" not in results["sections"]:
         return
     d = results.get("drafter")
