@@ -84,9 +84,14 @@ def test_bad_requests_raise_clear_errors(loaded, generator):
 def test_the_warm_up_leaves_no_drafting_measurement_behind(loaded):
     """The warm-up's passes are the process's first of each size, cold: the cost of a verified token,
     the guards' verdicts and the match statistics start from their priors after it, as they would
-    without it, instead of from what cold passes measured."""
+    without it, instead of from what cold passes measured. It writes a caption too: the vocabulary's
+    byte trie, which every caption's constraint walks, is built by then."""
+    from pipeline.llm.caption_constraint import _TRIES
+
+    _TRIES.pop(loaded.tokenizer, None)
     generator = Generator(loaded)
     generator.warm_up(drafters=("none", "ngram", "suffix"))
+    assert loaded.tokenizer in _TRIES
     assert generator.verify_cost.per_token == generator.verify_cost.prior
     assert generator.verify_cost.seconds(1) is None  # no pass remembered at all
     assert not generator.guards and not generator._match_acceptance and not generator._draft_costs
