@@ -71,6 +71,13 @@ def transcript_tokens(text: str) -> list[str]:
     return _TOKEN.findall(text)
 
 
+def marked(transcript: str) -> frozenset[int]:
+    """The indexes of the transcript's tokens (`transcript_tokens`) it puts a clause or sentence mark before."""
+    spans = [m.span() for m in _TOKEN.finditer(transcript)]
+    return frozenset(i for i in range(1, len(spans))
+                     if (CLAUSE | SENTENCE) & set(transcript[spans[i - 1][1] : spans[i][0]]))
+
+
 def hyphen_joined(transcript: str) -> frozenset[int]:
     """The indexes of the transcript's tokens (`transcript_tokens`) it joins to the token before by a hyphen
     ("cold-hearted": the second)."""
@@ -290,13 +297,19 @@ SEPARATORS = CLAUSE | SENTENCE | CLOSERS | OPENERS | DASHES | {" "}
 # the space, after an opening quote, after a spaced dash, after the space that follows it, after a joining hyphen,
 # after a clause mark (which no other mark follows but a closing quote: not ",!" or ",,")
 START, CLOSE, PUNCT, QUOTE, SPACE, OPEN, DASH, AFTER_DASH, JOIN, CLAUSED = range(10)
+# A clause of one word that a mark of the caption's own began (",;:" or ".?!…") may not end in another such mark
+# but at the caption's end: the model otherwise put a comma after every word ("But, as, the, writer, should, by,
+# time, …"), a verify pass each, 34 passes and 1.6 s for a 15-word caption live, and barred from commas, periods
+# ("Beauty's rose. Might. Never. Die."). A mark the transcript has at that place is always allowed.
 ENDS = (CLOSE, PUNCT, QUOTE, CLAUSED)  # where the caption may end, once every word is written
 
 # A state is one of:
-#   ("gap", unit, phase, marks written): between words, `unit` the next one to write;
-#   ("word", unit, form, word, characters written): inside word `word` of one of unit's forms;
-#   ("inner", unit, form, word): between two words of one form ("twenty five", "twenty-five"): a space or hyphen;
-#   ("literal", unit, form, bytes written): inside a number written as digits ("$25");
+#   ("gap", unit, phase, marks written, lone, opened): between words, `unit` the next one to write; `lone`: the
+#     word before it is all of a clause a mark of the caption's own began; `opened`: this gap wrote one;
+#   ("word", unit, form, word, characters written, opened): inside word `word` of one of unit's forms, `opened`
+#     the gap's it began after;
+#   ("inner", unit, form, word, opened): between two words of one form ("twenty five", "twenty-five");
+#   ("literal", unit, form, bytes written, opened): inside a number written as digits ("$25");
 #   ("bytes", the rest of a character's bytes, the state once they are read): inside a character.
 State = tuple
 
@@ -316,10 +329,11 @@ class CaptionAutomaton:
         self.openers = OPENERS & written
         self.dashes = (DASHES - {"-"}) & written | ({"-"} if " - " in transcript else set())
         self.joined = hyphen_joined(transcript)  # units the transcript joins to the one before by a hyphen
+        self.marked = marked(transcript)  # units the transcript puts a clause or sentence mark before
         self._next: dict[frozenset[State], dict[int, frozenset[State]]] = {}
 
     def start(self) -> frozenset[State]:
-        return self._closure([("gap", 0, START, 0)])
+        return self._closure([("gap", 0, START, 0, False, False)])
 
     def accepts(self, states: frozenset[State]) -> bool:
         """The caption may end here: every unit written (or dropped), after a word or its closing marks."""
@@ -354,48 +368,53 @@ class CaptionAutomaton:
         if kind == "gap":
             return self._gap_moves(*state[1:])
         if kind == "inner":
-            _, unit, f, w = state
-            return [(c, ("word", unit, f, w, 0)) for c in " -"]
+            _, unit, f, w, opened = state
+            return [(c, ("word", unit, f, w, 0, opened)) for c in " -"]
         if kind == "literal":
-            _, unit, f, got = state
+            _, unit, f, got, opened = state
             literal = self.lattice.forms[unit][f].literal
-            return [(literal[got], ("literal", unit, f, got + 1))] if got < len(literal) else []
-        _, unit, f, w, c = state
+            return [(literal[got], ("literal", unit, f, got + 1, opened))] if got < len(literal) else []
+        _, unit, f, w, c, opened = state
         word = self.lattice.forms[unit][f].words[w]
         if c >= len(word):
             return []
         chars = "'\u2019" if word[c] == "'" else word[c]
-        return [(ch, ("word", unit, f, w, c + 1)) for ch in chars]
+        return [(ch, ("word", unit, f, w, c + 1, opened)) for ch in chars]
 
-    def _gap_moves(self, unit: int, phase: int, marks: int) -> list[tuple[str, State]]:
+    def _gap_moves(self, unit: int, phase: int, marks: int, lone: bool, opened: bool) -> list[tuple[str, State]]:
         """Punctuation in prose's order (see SEPARATORS) and a word's first character; past the last word,
         closing marks only. No state is a dead end: from each, some caption goes on to its end."""
         moves: list[tuple[str, State]] = []
         room = marks < MAX_MARKS
-        if room and phase in (CLOSE, PUNCT, QUOTE):
-            moves += [(c, ("gap", unit, PUNCT, marks + 1)) for c in SENTENCE]  # "?!", "..."
+
+        def gap(next_phase: int, added: int = 1, opens: bool = opened) -> State:
+            return ("gap", unit, next_phase, marks + added, lone, opens)
+
+        own = unit not in self.marked
+        if room and phase in (CLOSE, PUNCT, QUOTE) and not (lone and own and unit < self.end):
+            moves += [(c, gap(PUNCT, opens=opened or own)) for c in SENTENCE]  # "?!", "..."
             if phase != PUNCT:
-                moves += [(c, ("gap", unit, CLAUSED, marks + 1)) for c in CLAUSE]
+                moves += [(c, gap(CLAUSED, opens=own)) for c in CLAUSE]
         if room and phase in (CLOSE, PUNCT, CLAUSED):
-            moves += [(c, ("gap", unit, QUOTE, marks + 1)) for c in self.closers]
+            moves += [(c, gap(QUOTE)) for c in self.closers]
         if unit == self.end:
             return moves
         if phase in (CLOSE, PUNCT, QUOTE, CLAUSED):
-            moves.append((" ", ("gap", unit, SPACE, marks)))
+            moves.append((" ", gap(SPACE, 0)))
         if phase == CLOSE and unit in self.joined:
-            moves.append(("-", ("gap", unit, JOIN, marks + 1)))
+            moves.append(("-", gap(JOIN)))
         if phase == DASH:
-            moves.append((" ", ("gap", unit, AFTER_DASH, marks)))
+            moves.append((" ", gap(AFTER_DASH, 0)))
         if room and phase in (START, SPACE, AFTER_DASH):
-            moves += [(c, ("gap", unit, OPEN, marks + 1)) for c in self.openers]
+            moves += [(c, gap(OPEN)) for c in self.openers]
         if room and phase == SPACE:
-            moves += [(c, ("gap", unit, DASH, marks + 1)) for c in self.dashes]
+            moves += [(c, gap(DASH)) for c in self.dashes]
         if phase in (START, SPACE, OPEN, AFTER_DASH, JOIN):  # a word starts
             for f, form in enumerate(self.lattice.forms[unit]):
                 if form.literal:
-                    moves.append((form.literal[0], ("literal", unit, f, 1)))
+                    moves.append((form.literal[0], ("literal", unit, f, 1, opened)))
                 elif form.words:
-                    moves += self._moves(("word", unit, f, 0, 0))
+                    moves += self._moves(("word", unit, f, 0, 0, opened))
         return moves
 
     def _closure(self, states: Iterable[State]) -> frozenset[State]:
@@ -412,23 +431,25 @@ class CaptionAutomaton:
                 todo.append(state[2])
                 continue
             if kind == "word":
-                _, unit, f, w, c = state
+                _, unit, f, w, c, opened = state
                 form = self.lattice.forms[unit][f]
                 word = form.words[w]
                 if c < len(word) and word[c] == "'":
-                    todo.append(("word", unit, f, w, c + 1))
+                    todo.append(("word", unit, f, w, c + 1, opened))
                 if c == len(word):
-                    todo.append(("inner", unit, f, w + 1) if w + 1 < len(form.words) else ("gap", form.end, CLOSE, 0))
+                    todo.append(("inner", unit, f, w + 1, opened) if w + 1 < len(form.words)
+                                else ("gap", form.end, CLOSE, 0, opened, False))
                     continue
             elif kind == "literal":
-                _, unit, f, got = state
+                _, unit, f, got, opened = state
                 form = self.lattice.forms[unit][f]
                 if got == len(form.literal):
-                    todo.append(("gap", form.end, CLOSE, 0))
+                    todo.append(("gap", form.end, CLOSE, 0, opened, False))
                     continue
             elif kind == "gap" and state[1] < self.end:
-                _, unit, phase, marks = state
-                todo += [("gap", form.end, phase, marks) for form in self.lattice.forms[unit] if form.dropped]
+                _, unit, phase, marks, lone, opened = state
+                todo += [("gap", form.end, phase, marks, lone, opened) for form in self.lattice.forms[unit]
+                         if form.dropped]
             out.add(state)
         return frozenset(out)
 

@@ -108,6 +108,11 @@ def test_a_word_added_changed_or_moved_is_refused(transcript: str, word: str, at
     ("to be cold-hearted and ill-disposed", "To be cold-hearted and ill-disposed."),
     ("it's twenty-five", "It's 25."),
     ("it's twenty-five", "It's twenty-five."),
+    ("but as the riper should", "But, as the riper should."),  # a one-word clause of the caption's own
+    ("unless to be rather cold", "Unless, to be, rather cold."),
+    ("yes, no, maybe so", "Yes, no, maybe, so."),  # the transcript's own commas after one-word clauses
+    ("yes. no. maybe so", "Yes. No. Maybe, so."),
+    ("thank you bye", "Thank you. Bye."),  # a one-word sentence at the caption's end
     ("", ""),
 ])
 def test_allowed_edits_are_accepted(transcript: str, caption: str) -> None:
@@ -139,6 +144,13 @@ def test_allowed_edits_are_accepted(transcript: str, caption: str) -> None:
     ("to be cold-hearted", "To be cold-hearted-."),
     ("write a poem about the sea", "Write a poem about the sea,!"),  # no mark after a clause mark
     ("write a poem about the sea", "Write a poem, about the sea;."),
+    # a one-word clause a mark of the caption's own began ends in no other such mark but at the end
+    ("but as the riper should by time decease", "But, as, the, riper, should, by, time, decease."),
+    ("but as the riper should", "But, as, the riper should."),
+    ("unless to be rather cold", "Unless, to be, rather, cold."),
+    ("and write a poem", "And, write; a poem."),
+    ("that thereby beauty's rose might never die", "That, thereby. Beauty's rose. Might. Never. Die."),
+    ("and write a poem", "And. Write, a poem."),
 ])
 def test_anything_else_is_refused(transcript: str, caption: str) -> None:
     assert not accepts(transcript, caption)
