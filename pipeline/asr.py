@@ -289,6 +289,13 @@ def speech_spans(probs: np.ndarray, audio_samples: int, threshold: float, min_sp
     return spans
 
 
+# A long utterance is cut at a gap between words: a window under this speech probability (or under vad_threshold
+# where that is higher). Under a stream's lower threshold (captions: 0.3) fluent speech had no gap, and was cut
+# at the quietest point of the last 2 s at the cap, 1.75 and 1.97 s after the speech it ended (the telephone
+# call and a LibriVox reading of `specvox bench captions`), where 0.5 found a gap in time.
+CUT_GAP_THRESHOLD = 0.5
+
+
 def _long_utterance_cut(span: dict, probs: np.ndarray, longest: int, threshold: float) -> int | None:
     """Where to cut an open utterance whose speaker has not paused for end_of_speech_silence_ms, or None.
 
@@ -470,7 +477,7 @@ class UtteranceSegmenter:
             first = spans.pop(0)
             speaking = not spans and not (final or self._buffer.size - first["end"] >= needed)
             # still spoken, or ended but longer than the cap (audio that came in one piece, a file sent unpaced)
-            cut = (_long_utterance_cut(first, probs, longest, o.vad_threshold)
+            cut = (_long_utterance_cut(first, probs, longest, max(o.vad_threshold, CUT_GAP_THRESHOLD))
                    if speaking or first["end"] - first["start"] > longest else None)
             if cut is None and speaking:
                 spans = [first]

@@ -548,6 +548,23 @@ def test_speech_without_a_pause_is_cut_between_words_at_the_streams_cap(transcri
             assert before.words[-1].end_s <= after.words[0].start_s + 0.05
 
 
+@pytest.mark.parametrize("name", ["telephone-diane-sheila", "librivox-sense-and-sensibility"])
+def test_a_caption_streams_lower_threshold_still_cuts_at_a_gap_as_soon_as_it_is_heard(name):
+    """A caption stream hears speech begin at 0.3 (caption_vad_threshold), its silence under 0.3 too; its long
+    utterances are still cut at a gap between words under CUT_GAP_THRESHOLD (0.5). Under 0.3 these readers
+    had no gap, and the cap cut them at the quietest point of its last 2 s, 1.75 and 1.97 s after the speech
+    the utterance ended: every utterance now closes within half a second of audio of its speech's end."""
+    from bench.human_speech import load_clips
+    from pipeline.asr import UtteranceSegmenter
+
+    audio = load_clips([name])[0].audio
+    segmenter = UtteranceSegmenter(AsrOptions(max_utterance_s=6.0, vad_threshold=0.3, vad_silence_threshold=0.3))
+    late, step = [], 640
+    for i in range(0, audio.size, step):
+        late += [(i + step) / SAMPLE_RATE_HZ - u.speech_end_s for u in segmenter.feed(audio[i : i + step])]
+    assert len(late) >= 4 and max(late) <= 0.5, late
+
+
 def test_speech_that_comes_in_at_once_is_cut_within_the_cap_too(transcriber):
     """The same podcast fed 12 s at a time (a file sent unpaced: the asr stage takes what queued in one go),
     so each check sees far more than the cap at once: still no utterance longer than the cap."""
