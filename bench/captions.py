@@ -356,8 +356,7 @@ def judge_live(clip: BenchClip, results: list) -> dict:
     row = judge(clip, utterances, lines)
     failed = [r.report.get("finish_reason") for r in results if r.report and r.caption is None]
     return row | {"delay_ms_p50": percentile(delays, 50), "delay_ms_p95": percentile(delays, 95),
-                  **{f"{name}_p50": percentile(values, 50) for name, values in _by_stage(rows).items()},
-                  **{f"{name}_p95": percentile(values, 95) for name, values in _by_stage(rows).items()},
+                  **_stage_percentiles(rows),
                   "captions": len(captioned), "turns_without_caption": failed,
                   "provisional_captions": sum(len(r.provisional_captions) for r in results), "rows": rows}
 
@@ -377,8 +376,13 @@ def _stage_delays(report: dict, speech_end_unix_ms: float | None) -> dict:
     return out
 
 
-def _by_stage(rows: list[dict]) -> dict[str, list[int]]:
-    return {name: [r[name] for r in rows if r.get(name) is not None] for name in STAGE_DELAYS}
+def _stage_percentiles(rows: list[dict]) -> dict:
+    """p50 and p95 of each of `STAGE_DELAYS` over the captions' rows that have it."""
+    out = {}
+    for name in STAGE_DELAYS:
+        values = [r[name] for r in rows if r.get(name) is not None]
+        out[f"{name}_p50"], out[f"{name}_p95"] = percentile(values, 50), percentile(values, 95)
+    return out
 
 
 def run_live(settings, clips: list[BenchClip], work: Path) -> dict:
@@ -399,9 +403,7 @@ def run_live(settings, clips: list[BenchClip], work: Path) -> dict:
         out["log"] = str(stack.log)
     all_delays = [d["delay_ms"] for r in out["rows"] for d in r.get("rows", []) if d["delay_ms"] is not None]
     out["delay_ms_p50"], out["delay_ms_p95"] = percentile(all_delays, 50), percentile(all_delays, 95)
-    every = _by_stage([d for r in out["rows"] for d in r.get("rows", [])])
-    for name, values in every.items():
-        out[f"{name}_p50"], out[f"{name}_p95"] = percentile(values, 50), percentile(values, 95)
+    out.update(_stage_percentiles([d for r in out["rows"] for d in r.get("rows", [])]))
     return out
 
 

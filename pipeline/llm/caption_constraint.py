@@ -18,6 +18,7 @@ say them ("twenty five dollars" -> "$25", and back). Nothing else: no word inser
 
 from __future__ import annotations
 
+import itertools
 import re
 import weakref
 from collections.abc import Iterable, Sequence
@@ -71,18 +72,21 @@ def transcript_tokens(text: str) -> list[str]:
     return _TOKEN.findall(text)
 
 
+def _between_tokens(transcript: str) -> list[str]:
+    """What the transcript writes before each of its tokens (`transcript_tokens`) but the first, in order."""
+    spans = [m.span() for m in _TOKEN.finditer(transcript)]
+    return [transcript[before[1] : after[0]] for before, after in itertools.pairwise(spans)]
+
+
 def marked(transcript: str) -> frozenset[int]:
     """The indexes of the transcript's tokens (`transcript_tokens`) it puts a clause or sentence mark before."""
-    spans = [m.span() for m in _TOKEN.finditer(transcript)]
-    return frozenset(i for i in range(1, len(spans))
-                     if (CLAUSE | SENTENCE) & set(transcript[spans[i - 1][1] : spans[i][0]]))
+    return frozenset(i for i, text in enumerate(_between_tokens(transcript), 1) if (CLAUSE | SENTENCE) & set(text))
 
 
 def hyphen_joined(transcript: str) -> frozenset[int]:
     """The indexes of the transcript's tokens (`transcript_tokens`) it joins to the token before by a hyphen
     ("cold-hearted": the second)."""
-    spans = [m.span() for m in _TOKEN.finditer(transcript)]
-    return frozenset(i for i in range(1, len(spans)) if transcript[spans[i - 1][1] : spans[i][0]] == "-")
+    return frozenset(i for i, text in enumerate(_between_tokens(transcript), 1) if text == "-")
 
 
 def written_words(text: str) -> list[str]:
