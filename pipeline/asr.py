@@ -260,6 +260,16 @@ def silence_threshold(options: AsrOptions) -> float:
     return options.vad_silence_threshold or max(options.vad_threshold - 0.15, 0.01)
 
 
+def with_speech_threshold(options: AsrOptions, vad_threshold: float) -> AsrOptions:
+    """`options` with speech beginning where Silero's probability reaches `vad_threshold` (a caption's
+    streams and files ask for a lower one: quiet speech is still speech) and ending where it ended, or
+    under the new threshold where that is lower; 0: `options` as they are."""
+    if not vad_threshold:
+        return options
+    return replace(options, vad_threshold=vad_threshold,
+                   vad_silence_threshold=min(silence_threshold(options), vad_threshold))
+
+
 def speech_spans(probs: np.ndarray, audio_samples: int, threshold: float, min_speech_ms: int,
                  min_silence_ms: int, negative: float) -> list[dict]:
     """Speech spans (sample offsets) from window probabilities, as faster-whisper's
@@ -588,7 +598,8 @@ class Transcriber:
         text whisper takes as what was said just before (Whisper's previous-text prompt, Radford et
         al. 2022, sec. 4.5), which biases it toward those words and their spelling; `before`: the
         pass hears that audio first and goes on from its words (forced as whisper's prefix, which
-        its decoder takes as already written), and gives only the words after them.
+        its decoder takes as already written), and gives only the words after them (less its saying
+        the last of them once more: `said_again`).
 
         faster-whisper's `transcribe` goes on after a window's last word: it encodes and
         decodes the audio from there to the end once more, here the ~0.3 s of padding after
@@ -627,6 +638,8 @@ class Transcriber:
                                   options.append_punctuations, last_speech_timestamp=0.0)
         prefix_chars = len(tokenizer.decode(prefix_tokens)) if prefix_tokens else 0
         words = tuple(_shift_words(_after_text(segments, prefix_chars), audio_start_s))
+        if before is not None:
+            words = words[said_again(before.words, words):]
         return Transcript(text=join_words(words), words=words, **measures)
 
     def encoder_samples(self, audio_samples: int) -> int:
@@ -780,6 +793,28 @@ def _shift_words(segments: list[dict], offset_s: float) -> Iterator[Word]:
                 end_s=round(offset_s + w["end"], 3),
                 probability=float(w["probability"]),
             )
+
+
+def norm_word(text: str) -> str:
+    """A word as hypotheses are compared: lower case, letters and digits only."""
+    return "".join(c for c in text.lower() if c.isalnum())
+
+
+def said_again(before: Sequence[Word], words: Sequence[Word]) -> int:
+    """How many leading `words` of a pass that went on from the words `before` are whisper saying
+    the last of those once more: the same words (as `norm_word` compares them), one of them given
+    no duration, as no spoken word is (a real repetition is timed like what it repeats); 0: none.
+
+    Going on from "So this is the." (the speaker paused after "the"), whisper tiny wrote "So this
+    is the sixth form." with "So" and "this" both at the instant the audio before ends: the words
+    before, crammed in ahead of the new speech, as `asr_words.spoken_words` finds them crammed
+    into the end of an utterance."""
+    for k in range(min(len(before), len(words)), 0, -1):
+        copy = words[:k]
+        if ([norm_word(w.text) for w in copy] == [norm_word(w.text) for w in before[-k:]]
+                and any(w.end_s <= w.start_s for w in copy)):
+            return k
+    return 0
 
 
 def join_words(words: Iterable[Word]) -> str:

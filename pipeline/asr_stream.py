@@ -24,7 +24,8 @@ caption streams do) a sentence cut at a pause is heard whole: the final's pass o
 begun less than that after the last one hears the stream's audio of the utterances just before
 it (`SpeechBefore`, at most `asr.context_s`) and goes on from their finals' words, which whisper
 is given as already written; the final is the words after them, so nothing said before a pause
-is said again ("Hello Hello, can you…"). Such a pass is the final only where its words lie in
+is said again ("Hello Hello, can you…"; nor whisper's saying the last of them once more ahead of
+the new speech: `pipeline.asr.said_again`). Such a pass is the final only where its words lie in
 the utterance's audio and reach the end of its speech (`went_on`); else the utterance is heard
 alone. Partial passes hear the open utterance alone: they are many, and the final may change
 their words anyway.

@@ -21,16 +21,11 @@ import math
 import re
 from collections.abc import Sequence
 
-from pipeline.asr import AsrOptions, Transcript, Utterance, Word
+from pipeline.asr import AsrOptions, Transcript, Utterance, Word, norm_word
 
 # Whisper's spellings of a hum: "Mm-hmm", "MMMM", "mhm", "Hmm", "M-M-M": each hyphen-separated
 # piece of letters m, n and h alone (as pipeline/turn_taking.MURMUR reads a final's words).
 HUM = re.compile(r"[mnh]+")
-
-
-def norm_word(text: str) -> str:
-    """A word as hypotheses are compared: lower case, letters and digits only."""
-    return "".join(c for c in text.lower() if c.isalnum())
 
 
 def utterance_words(transcript: Transcript, utterance: Utterance, options: AsrOptions,

