@@ -31,7 +31,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from pipeline.asr import AsrOptions, Transcriber, Utterance, UtteranceSegmenter, Word, join_words
+from pipeline.asr import (
+    AsrOptions,
+    Transcriber,
+    Utterance,
+    UtteranceSegmenter,
+    Word,
+    join_words,
+    with_speech_threshold,
+)
 from pipeline.asr_batch import BatchTranscriber
 from pipeline.asr_words import utterance_words
 from pipeline.caption_style import CueStyle, broadcast_cues
@@ -59,6 +67,12 @@ class FileCaptionOptions:
     # On 10 minutes of sentences 0.4-1.2 s apart, 300 and 500 ms found each sentence whole, 800
     # joined some (longer passes, slower) and 150 split 25 of 177 (docs/captions.md).
     end_of_speech_silence_ms: int = 500
+    # Where speech begins, Silero's probability (0: the asr's, 0.5), as on a live caption stream
+    # (settings caption_vad_threshold): a caption is a record, and at 0.5 Silero missed quiet speech
+    # whole. The human recordings of `specvox bench captions` as files, transcript WER as is / 0.1 s
+    # less / 0.2 s more silence before / 2 dB quieter: 0.5: 0.164 / 0.158 / 0.175 / 0.212; 0.3: 0.151 /
+    # 0.156 / 0.173 / 0.163 (docs/captions.md).
+    vad_threshold: float = 0.3
     style: CueStyle = CueStyle()  # the cues' rules (pipeline/caption_style.py; CueStyle.children() for 13 chars/s)
     chunk_s: float = CHUNK_S  # audio decoded at a time
     whisper_threads: int = 0  # 0: one per core, at most MAX_WHISPER_THREADS
@@ -184,8 +198,8 @@ class FileCaptioner:
 
     def __init__(self, asr: AsrOptions, options: FileCaptionOptions = FileCaptionOptions(),
                  cleaner: CaptionCleaning | None = None, transcriber: Transcriber | None = None) -> None:
-        self.asr = replace(asr, end_of_speech_silence_ms=options.end_of_speech_silence_ms,
-                           cpu_threads=whisper_threads(options))
+        self.asr = replace(with_speech_threshold(asr, options.vad_threshold), cpu_threads=whisper_threads(options),
+                           end_of_speech_silence_ms=options.end_of_speech_silence_ms)
         self.options = options
         self.cleaner = cleaner or TranscriptAsCaption()
         self.transcriber = transcriber or Transcriber(self.asr)

@@ -123,6 +123,7 @@ class Settings(BaseSettings):
     # Caption mode: an utterance begun less than this after the last one's speech ended goes on from the
     # speech before it (the stream's asr.context_pause_ms, which is 0, off, for conversations): a sentence
     # cut at a pause is heard whole, where its caption has time to wait (docs/architecture.md). 0: the asr's.
+    # /v1/audio/transcriptions' streams too: a transcript is a record, as a caption is.
     caption_context_pause_ms: int = 2000
     # Caption mode: where the VAD hears speech begin on the stream (asr.vad_threshold, 0.5, otherwise; its
     # silence stays under 0.35, the asr's, or under this where lower). At 0.5 Silero misses quiet speech
@@ -130,7 +131,8 @@ class Settings(BaseSettings):
     # quieter / mean of 4 versions: 0.169 / 0.211 / 0.178 at 0.5, 0.155 / 0.174 / 0.158 at 0.3. Silence
     # under 0.2 too (Silero's hysteresis at 0.35) did alike (mean 0.155) but joined utterances live across
     # short pauses ("in 2019." + "Uh, for work." as "in 2019, forward."), later and garbled. A
-    # conversation keeps 0.5, as its avatar pauses on the voice the VAD hears. 0: the asr's.
+    # conversation keeps 0.5, as its avatar pauses on the voice the VAD hears. 0: the asr's. Also
+    # /v1/audio/transcriptions' streams and `specvox captions` (files).
     caption_vad_threshold: float = 0.3
 
     asr: AsrOptions = AsrOptions()

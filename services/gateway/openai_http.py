@@ -217,7 +217,8 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
     async with _uploaded_audio(upload) as audio, _request_session(context) as session_id:
         call = context.gateway.stubs.asr.Transcribe()
         accepted = asyncio.Event()
-        sender = asyncio.create_task(_send_audio(call, session_id, asked, audio, accepted))
+        sender = asyncio.create_task(_send_audio(call, _record_config(context.settings, session_id, asked), asked,
+                                                 audio, accepted))
         sender.add_done_callback(lambda task: task.cancelled() or task.exception() is None or call.cancel())
         try:
             events = call.__aiter__()
@@ -312,15 +313,23 @@ def _copy(source: Any, target: Any) -> None:
     target.flush()
 
 
-async def _send_audio(call: Any, session_id: str, asked: shapes.TranscriptionRequest, audio: UploadedAudio,
-                      accepted: asyncio.Event) -> float:
+def _record_config(settings, session_id: str, asked: shapes.TranscriptionRequest) -> asr_pb.StreamConfig:
+    """The asr stream of a transcription: 16 kHz PCM, heard as a caption stream hears speech (a transcript
+    is a record, as a caption is): quieter speech begins an utterance (`caption_vad_threshold`) and a
+    sentence cut at a pause is heard whole (`caption_context_pause_ms`); docs/benchmarks, "Streamed finals"."""
+    pcm16 = common.AudioFormat(encoding=common.AudioFormat.PCM_S16LE, sample_rate_hz=SAMPLE_RATE_HZ, channels=1,
+                               sample_width_bytes=2)
+    return asr_pb.StreamConfig(session_id=session_id, format=pcm16, language=asked.language,
+                               vad_threshold=settings.caption_vad_threshold,
+                               context_pause_ms=settings.caption_context_pause_ms)
+
+
+async def _send_audio(call: Any, config: asr_pb.StreamConfig, asked: shapes.TranscriptionRequest,
+                      audio: UploadedAudio, accepted: asyncio.Event) -> float:
     """The config, the prompt, then, once the asr has `accepted` the config, the decoded audio as 16 kHz PCM,
     unpaced; its duration in seconds. Audio written after a refusal would race the asr's status: grpc's core
     can end such a call INTERNAL ("Failed execute_batch") instead of with the refusal."""
-    pcm16 = common.AudioFormat(encoding=common.AudioFormat.PCM_S16LE, sample_rate_hz=SAMPLE_RATE_HZ, channels=1,
-                               sample_width_bytes=2)
-    await call.write(asr_pb.TranscribeRequest(config=asr_pb.StreamConfig(session_id=session_id, format=pcm16,
-                                                                          language=asked.language)))
+    await call.write(asr_pb.TranscribeRequest(config=config))
     if asked.prompt.strip():
         await call.write(asr_pb.TranscribeRequest(context=asr_pb.Context(expected_phrases=[asked.prompt])))
     await accepted.wait()

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 import numpy as np
 
-from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber, prompt_of_phrases, silence_threshold
+from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber, prompt_of_phrases, with_speech_threshold
 from pipeline.asr_stream import (
     AsrEvent,
     PartialTranscript,
@@ -108,7 +108,7 @@ class AsrServicer(pb_grpc.AsrServicer):
     def _stream_options(self, max_utterance_s: float, context_pause_ms: int, vad_threshold: float) -> AsrOptions:
         """The service's options with what a stream asks for (StreamConfig; each 0: the service's):
         `max_utterance_s`, a cap under the service's; `context_pause_ms`; `vad_threshold`, 0 to 1, where
-        speech begins, its silence staying the service's (`silence_threshold`) where that is lower."""
+        speech begins, its silence staying the service's (`with_speech_threshold`) where that is lower."""
         options = self.options
         if not math.isfinite(max_utterance_s) or max_utterance_s < 0:
             raise ValueError(f"max_utterance_s must be 0 (the service's) or a positive number of seconds, "
@@ -122,10 +122,7 @@ class AsrServicer(pb_grpc.AsrServicer):
         if not math.isfinite(vad_threshold) or not 0 <= vad_threshold < 1:
             raise ValueError(f"vad_threshold must be 0 (the service's) or a speech probability under 1, "
                              f"not {vad_threshold:g}")
-        if vad_threshold:  # quieter speech begins an utterance; speech ends where the service's ends, or under it
-            options = dataclasses.replace(options, vad_threshold=vad_threshold,
-                                          vad_silence_threshold=min(silence_threshold(options), vad_threshold))
-        return options
+        return with_speech_threshold(options, vad_threshold)
 
     async def _recognize(self, recognizer: StreamingRecognizer, decoder: WireAudioDecoder,
                          audio: AsyncIterator[bytes | str]) -> AsyncIterator[AsrEvent]:

