@@ -245,10 +245,11 @@ def _write_wav(clip: BenchClip, folder: Path) -> Path:
 
 def run_file(settings, clips: list[BenchClip], folder: Path, cleaner) -> dict:
     """Each clip as a file through `pipeline.file_captions`."""
-    from pipeline.file_captions import FileCaptioner
+    from pipeline.file_captions import FileCaptioner, FileCaptionOptions
     from pipeline.media import MediaAudio
 
-    captioner = FileCaptioner(settings.asr, cleaner=cleaner)
+    captioner = FileCaptioner(settings.asr, FileCaptionOptions(vad_threshold=settings.caption_vad_threshold),
+                              cleaner=cleaner)  # as `specvox captions` makes it
     with MediaAudio(_write_wav(clips[0], folder)) as media:
         captioner.caption(media)  # warm: the first passes load what they need
     rows, transcripts = [], []

@@ -69,9 +69,11 @@ class FileCaptionOptions:
     end_of_speech_silence_ms: int = 500
     # Where speech begins, Silero's probability (0: the asr's, 0.5), as on a live caption stream
     # (settings caption_vad_threshold): a caption is a record, and at 0.5 Silero missed quiet speech
-    # whole. The human recordings of `specvox bench captions` as files, transcript WER as is / 0.1 s
-    # less / 0.2 s more silence before / 2 dB quieter: 0.5: 0.164 / 0.158 / 0.175 / 0.212; 0.3: 0.151 /
-    # 0.156 / 0.173 / 0.163 (docs/captions.md).
+    # whole. `specvox bench captions`' clips as files, transcript WER as is / 0.1 s less / 0.2 s more
+    # silence before / 2 dB quieter, nine human recordings: 0.5: 0.164 / 0.158 / 0.175 / 0.212; 0.3: 0.151
+    # / 0.156 / 0.173 / 0.163; the bundled voices' script: 0.5: 0.159 / 0.195 / 0.207 / 0.171; 0.3: 0.220
+    # / 0.183 / 0.244 / 0.207 (a filler heard with its sentence, "Uh, for work." as "forward."); all,
+    # mean of the four: 0.178 at 0.5, 0.167 at 0.3 (docs/captions.md).
     vad_threshold: float = 0.3
     style: CueStyle = CueStyle()  # the cues' rules (pipeline/caption_style.py; CueStyle.children() for 13 chars/s)
     chunk_s: float = CHUNK_S  # audio decoded at a time
