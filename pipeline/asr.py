@@ -800,19 +800,24 @@ def norm_word(text: str) -> str:
     return "".join(c for c in text.lower() if c.isalnum())
 
 
+def crammed_copy(copy: Sequence[Word], said: Sequence[Word]) -> bool:
+    """Whether `copy` is whisper's copy of the words `said`, not the speaker's: the same words (as
+    `norm_word` compares them), one of them given no duration, as no spoken word is (a real
+    repetition, "bye bye", is timed like what it repeats)."""
+    return ([norm_word(w.text) for w in copy] == [norm_word(w.text) for w in said]
+            and any(w.end_s <= w.start_s for w in copy))
+
+
 def said_again(before: Sequence[Word], words: Sequence[Word]) -> int:
     """How many leading `words` of a pass that went on from the words `before` are whisper saying
-    the last of those once more: the same words (as `norm_word` compares them), one of them given
-    no duration, as no spoken word is (a real repetition is timed like what it repeats); 0: none.
+    the last of those once more (`crammed_copy`); 0: none.
 
     Going on from "So this is the." (the speaker paused after "the"), whisper tiny wrote "So this
     is the sixth form." with "So" and "this" both at the instant the audio before ends: the words
     before, crammed in ahead of the new speech, as `asr_words.spoken_words` finds them crammed
     into the end of an utterance."""
     for k in range(min(len(before), len(words)), 0, -1):
-        copy = words[:k]
-        if ([norm_word(w.text) for w in copy] == [norm_word(w.text) for w in before[-k:]]
-                and any(w.end_s <= w.start_s for w in copy)):
+        if crammed_copy(words[:k], before[-k:]):
             return k
     return 0
 

@@ -21,7 +21,7 @@ import math
 import re
 from collections.abc import Sequence
 
-from pipeline.asr import AsrOptions, Transcript, Utterance, Word, norm_word
+from pipeline.asr import AsrOptions, Transcript, Utterance, Word, crammed_copy, norm_word
 
 # Whisper's spellings of a hum: "Mm-hmm", "MMMM", "mhm", "Hmm", "M-M-M": each hyphen-separated
 # piece of letters m, n and h alone (as pipeline/turn_taking.MURMUR reads a final's words).
@@ -109,13 +109,9 @@ def spoken_words(words: Sequence[Word], utterance: Utterance, ended: bool = Fals
 
 
 def _repeated_tail(words: Sequence[Word]) -> int:
-    """How many trailing words are whisper's copy of the words just before them: the same words
-    (as `norm_word` compares them), one of them given no duration, as no spoken word is (a real
-    repetition, "bye bye", is timed like what it repeats); 0: none."""
+    """How many trailing words are whisper's copy of the words just before them (`crammed_copy`); 0: none."""
     for k in range(1, len(words) // 2 + 1):
-        copy, said = words[-k:], words[-2 * k : -k]
-        if ([norm_word(w.text) for w in copy] == [norm_word(w.text) for w in said]
-                and any(w.end_s <= w.start_s for w in copy)):
+        if crammed_copy(words[-k:], words[-2 * k : -k]):
             return k
     return 0
 
