@@ -58,6 +58,7 @@ SAY = "Can you tell me a long story about a brave little cat who sailed across t
 RATE_HZ = 24_000  # the page's input and output rate (the Realtime API's audio/pcm)
 PAUSE_WITHIN_MS = 300
 PLAYED_BEFORE_BARGE_IN_S = 1.5
+FACE_CHANGE_WITHIN_S = 6.0
 
 
 # ---- what the gateway serves -------------------------------------------------------------------------
@@ -162,12 +163,15 @@ def conversation(chromium_installed, stack, speech, tmp_path_factory):
         seen["rest_mouth"] = p.mouth()
         first = p.wait("the first reply playing", lambda s: bool(s["turns"]) and s["turns"][0]["heardSamples"] > 0,
                        timeout_s=120)
-        # while the reply plays: the counter, the mouth, the face
-        until = time.monotonic() + PLAYED_BEFORE_BARGE_IN_S
-        while time.monotonic() < until:
+        # while the reply plays: the counter, the mouth, the face. A screenshot can take half a second on a
+        # loaded machine and may each time fall between words (the mouth closed): screenshots go on, up to
+        # FACE_CHANGE_WITHIN_S, until two differ
+        started = time.monotonic()
+        while (elapsed := time.monotonic() - started) < PLAYED_BEFORE_BARGE_IN_S or (
+                len(set(seen["faces"])) < 2 and elapsed < FACE_CHANGE_WITHIN_S):
             seen["played"].append(p.js("return Number(document.getElementById('played').value)"))
             seen["mouths"].append(p.mouth())
-            if len(seen["faces"]) < 6:
+            if len(seen["faces"]) < 6 or len(set(seen["faces"])) < 2:
                 seen["faces"].append(p.screenshot(f"face-speaking-{len(seen['faces'])}", "face").read_bytes())
             time.sleep(0.05)
         p.screenshot("page-speaking")
@@ -220,7 +224,8 @@ def test_the_mouth_follows_the_visemes_and_rests_after(conversation):
     received = {t["itemId"]: t["visemes"] for t in turns}
     assert all(received.values()), "no specvox.viseme events reached the page (Realtime extension events)"
     assert len(set(conversation["mouths"])) >= 3, "the mouth hardly changed while the reply played"
-    assert len(set(conversation["faces"])) >= 2, "the face's screenshots did not change while the reply played"
+    assert len(set(conversation["faces"])) >= 2, (
+        f"the face's {len(conversation['faces'])} screenshots did not change while the reply played")
     drawn = [d for d in conversation["drawn"] if d["source"] == "viseme" and d["viseme"] != "sil"]
     assert len({d["viseme"] for d in drawn}) >= 3, drawn[:20]
     for d in drawn:  # every shape drawn is the viseme of the sound heard as it is on screen
