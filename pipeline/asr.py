@@ -140,14 +140,16 @@ class AsrOptions:
     # long-form transcription goes on from the words before. Alone, whisper hears each piece of a
     # sentence cut at a pause without the rest ("how do volcanoes form?" after "I have a question,"
     # as "Happy volcano's form."; a quiet "acoustic corpus" after "different than the" as no
-    # speech). A pass that stops short of its utterance's speech or strays before its audio is
-    # redone alone (`asr_stream.went_on`: whisper had stopped at "The river", and the next final
-    # wrote the rest timed in the speech before its own). 0, the default: every final's pass hears
-    # its utterance alone. Going on cut streamed WER 0.191 -> 0.169 on `specvox bench asr-finals`,
-    # but its finals after speech came 42 ms later at p50 and ~200 ms at p95 (a pass that did not go
-    # on is done again alone) and the stream's CPU rose ~30%: a conversation waits on its final, so
-    # it is a caption stream's (caption_context_pause_ms, StreamConfig.context_pause_ms), whose live
-    # delays it did not change (docs/benchmarks/README.md, "Streamed finals").
+    # speech). Whisper is told a segment of its text begins at an utterance voiced for
+    # `short_utterance_ms` or more (`SpeechBefore.new_segment`). A pass that stops short of its
+    # utterance's speech or strays before its audio is redone alone (`asr_stream.went_on`: whisper
+    # had stopped at "The river", and the next final wrote the rest timed in the speech before its
+    # own). 0, the default: every final's pass hears its utterance alone. Going on cut streamed
+    # WER 0.191 -> 0.169 on `specvox bench asr-finals`, but its finals after speech came 42 ms
+    # later at p50 and ~200 ms at p95 (a pass that did not go on is done again alone) and the
+    # stream's CPU rose ~30%: a conversation waits on its final, so it is a caption stream's
+    # (caption_context_pause_ms, StreamConfig.context_pause_ms), whose live delays it did not
+    # change (docs/benchmarks/README.md, "Streamed finals").
     context_pause_ms: int = 0
     context_s: float = 8.0  # the most audio before an utterance its final's pass hears
     # The least audio (s) the encoder is given on a pass with audio before its utterance. With
@@ -184,6 +186,9 @@ class SpeechBefore:
     audio: np.ndarray = field(repr=False)
     audio_start_s: float
     words: tuple[Word, ...]
+    # The pass is told that a segment of whisper's text begins where the utterance's audio does
+    # (`Transcriber._new_segment`); without it, whisper may end its pass with the words before.
+    new_segment: bool = False
 
     @property
     def text(self) -> str:
@@ -625,6 +630,8 @@ class Transcriber:
         options = replace(self._decoding, max_new_tokens=max_new_tokens)
         tokens = model.get_prompt(tokenizer, previous, without_timestamps=options.without_timestamps,
                                   prefix=prefix or None)
+        if before is not None and prefix and before.new_segment and not options.without_timestamps:
+            tokens += self._new_segment(tokenizer, before, utterance.audio_start_s)
         result, avg_logprob, _, compression_ratio = model.generate_with_fallback(encoder_output, tokens, tokenizer,
                                                                                  options)
         measures = {"no_speech_prob": result.no_speech_prob, "avg_logprob": avg_logprob,
@@ -641,6 +648,23 @@ class Transcriber:
         if before is not None:
             words = words[said_again(before.words, words):]
         return Transcript(text=join_words(words), words=words, **measures)
+
+    def _new_segment(self, tokenizer: Tokenizer, before: SpeechBefore, audio_start_s: float) -> list[int]:
+        """The timestamps that close the words before's segment where their last word ends and open
+        the utterance's where its audio begins, forced after them as part of the prefix.
+
+        Given the words before alone as its prefix, whisper tiny sometimes ends the pass with them:
+        "<|0.00|> … is to be ill-disposed.<|5.72|>", then the end of text, and nothing for the 5.5 s
+        of speech after ("Had he married a more amiable woman, …", the Sense and Sensibility
+        reading), or stopped a few words into it, and the utterance was then heard alone. Told that
+        a segment begins at the utterance, it writes the utterance's words. Told so for a short
+        sound that is no word (a hum just after a sentence), it wrote one ("Emmum."), where without
+        it the end of its text was right: the stream does not tell it for short utterances."""
+        precision = self.model.time_precision
+        opens_s = audio_start_s - before.audio_start_s
+        closes_s = min(before.words[-1].end_s - before.audio_start_s, opens_s)
+        return [tokenizer.timestamp_begin + round(closes_s / precision),
+                tokenizer.timestamp_begin + round(opens_s / precision)]
 
     def encoder_samples(self, audio_samples: int) -> int:
         """How long (in samples) the encoder's input is for audio of `audio_samples`: Whisper's 30 s

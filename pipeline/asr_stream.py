@@ -25,10 +25,13 @@ begun less than that after the last one hears the stream's audio of the utteranc
 it (`SpeechBefore`, at most `asr.context_s`) and goes on from their finals' words, which whisper
 is given as already written; the final is the words after them, so nothing said before a pause
 is said again ("Hello Hello, can you…"; nor whisper's saying the last of them once more ahead of
-the new speech: `pipeline.asr.said_again`). Such a pass is the final only where its words lie in
-the utterance's audio and reach the end of its speech (`went_on`); else the utterance is heard
-alone. Partial passes hear the open utterance alone: they are many, and the final may change
-their words anyway.
+the new speech: `pipeline.asr.said_again`). Whisper is told that a segment of its text begins
+at the utterance (`SpeechBefore.new_segment`: going on from a finished sentence, it sometimes ended
+its text there and wrote nothing for the speech after), except where the utterance is voiced for
+less than `short_utterance_ms` (told so, it wrote a hum after a sentence as a word). Such a pass
+is the final only where its words lie in the utterance's audio and reach the end of its speech
+(`went_on`); else the utterance is heard alone. Partial passes hear the open utterance alone:
+they are many, and the final may change their words anyway.
 """
 
 from __future__ import annotations
@@ -349,7 +352,8 @@ class StreamingRecognizer:
     def _before(self, utterance: Utterance) -> SpeechBefore | None:
         """The finals just before `utterance` its final's pass goes on from: those of the utterances
         each begun less than `context_pause_ms` after the last, whose audio begins at most `context_s`
-        before the utterance's (and fits whisper's window with it); None: it is heard alone."""
+        before the utterance's (and fits whisper's window with it); None: it is heard alone. Whisper
+        is told a segment begins at an utterance voiced for `short_utterance_ms` or more."""
         o, heard = self.options, self._heard
         if heard is None:
             return None
@@ -366,8 +370,9 @@ class StreamingRecognizer:
         if not chain:
             return None
         start_s = chain[0].utterance.audio_start_s
+        voiced_ms = _ms(utterance.speech_end_s - utterance.speech_start_s)
         return SpeechBefore(heard.between(start_s, utterance.audio_start_s), start_s,
-                            tuple(w for f in chain for w in f.words))
+                            tuple(w for f in chain for w in f.words), new_segment=voiced_ms >= o.short_utterance_ms)
 
     def _partial(self, utterance: Utterance) -> PartialTranscript:
         heard_s = self.segmenter.stream_s  # the pass's audio may stop short of it (silence)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+from dataclasses import replace
 
 import jiwer
 import numpy as np
@@ -544,6 +545,47 @@ def test_a_pass_going_on_does_not_say_the_words_before_it_once_more(transcriber)
     went = utterance_words(transcriber.transcribe(second, before=before), second, GOING_ON)
     assert went and normalised_text(went[0].text) != "so", texts(went)
     assert went_on(went, second, GOING_ON)
+
+
+def test_a_pass_going_on_writes_the_speech_after_a_finished_sentence(transcriber):
+    """A reading of Sense and Sensibility (LibriVox, pocketsphinx's test data), as a caption stream replayed in
+    real time heard it: "Unless to be rather cold-hearted … is to be ill-disposed." at 10.37-15.42 s, then
+    "Had he married a more amiable woman, …" at 15.71-21.25 s. Given the first sentence alone as its prefix,
+    whisper ended the pass with it ("… ill-disposed.<|5.72|>", the end of text) and wrote nothing for 5.5 s
+    of speech; told that a segment begins at the utterance (`SpeechBefore.new_segment`), it writes the
+    utterance's words, and the stream keeps them as the final (`went_on`) where it would have heard the
+    utterance alone."""
+    from bench.human_speech import load_clips
+    from pipeline.asr import SpeechBefore
+
+    audio = load_clips(["librivox-sense-and-sensibility"])[0].audio
+    first = Utterance(0, 10.368, 15.424, audio=audio[161088:161088 + 86720], audio_start_s=10.068)
+    said = utterance_words(transcriber.transcribe(first), first, GOING_ON)
+    assert normalised_text(" ".join(texts(said))).startswith("unless to be rather cold hearted"), texts(said)
+    second = Utterance(1, 15.712, 21.248, audio=audio[246784:246784 + 94208], audio_start_s=15.424)
+    before = SpeechBefore(audio[161088:246784], 10.068, said)
+    assert not utterance_words(transcriber.transcribe(second, before=before), second, GOING_ON)
+    told = replace(before, new_segment=True)
+    went = utterance_words(transcriber.transcribe(second, before=told), second, GOING_ON)
+    assert normalised_text(" ".join(texts(went))).startswith("had he married a more amiable woman"), texts(went)
+    assert went_on(went, second, GOING_ON)
+
+
+def test_a_reading_goes_on_from_each_sentence_to_the_next(transcriber):
+    """The Sense and Sensibility reading streamed as a caption stream hears it: five sentences with pauses
+    under `context_pause_ms`; every final after the first goes on from the speech before it, told a segment
+    begins at its utterance, says its sentence and equals its own pass (without being told so, two of them
+    were heard alone)."""
+    from bench.human_speech import load_clips
+
+    clip = load_clips(["librivox-sense-and-sensibility"])[0]
+    said = finals(stream(StreamingRecognizer(GOING_ON, transcriber), clip.audio, chunk_s=0.1))
+    assert len(said) == 5, [f.text for f in said]
+    assert all(f.before is not None and f.before.new_segment for f in said[1:]), [f.text for f in said]
+    assert normalised_text(said[3].text).startswith("had he married a more amiable woman"), said[3].text
+    assert normalised_text(said[4].text) == "he might even have been made amiable himself", said[4].text
+    for final in said:
+        assert texts(final.words) == own_pass_words(transcriber, final, GOING_ON)
 
 
 def test_speech_without_a_pause_is_cut_between_words_at_the_streams_cap(transcriber):
