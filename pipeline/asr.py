@@ -265,6 +265,14 @@ def silence_threshold(options: AsrOptions) -> float:
     return options.vad_silence_threshold or max(options.vad_threshold - 0.15, 0.01)
 
 
+def voiced_briefly(utterance: Utterance, options: AsrOptions) -> bool:
+    """Whether the utterance's speech lasts less than `short_utterance_ms` (in whole milliseconds):
+    maybe a hum, a filler or a cough. Such an utterance is judged as a whole
+    (`asr_words.heard_as_words`), may get no word (`asr_stream.went_on`), and a pass going on from
+    the speech before it is not told where it begins (`SpeechBefore.new_segment`)."""
+    return round((utterance.speech_end_s - utterance.speech_start_s) * 1000) < options.short_utterance_ms
+
+
 def with_speech_threshold(options: AsrOptions, vad_threshold: float) -> AsrOptions:
     """`options` with speech beginning where Silero's probability reaches `vad_threshold` (a caption's
     streams and files ask for a lower one: quiet speech is still speech) and ending where it ended, or

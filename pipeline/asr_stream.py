@@ -56,6 +56,7 @@ from pipeline.asr import (
     VoiceStarted,
     Word,
     join_words,
+    voiced_briefly,
 )
 from pipeline.asr_words import norm_word, spoken_words, utterance_words
 
@@ -370,9 +371,8 @@ class StreamingRecognizer:
         if not chain:
             return None
         start_s = chain[0].utterance.audio_start_s
-        voiced_ms = _ms(utterance.speech_end_s - utterance.speech_start_s)
         return SpeechBefore(heard.between(start_s, utterance.audio_start_s), start_s,
-                            tuple(w for f in chain for w in f.words), new_segment=voiced_ms >= o.short_utterance_ms)
+                            tuple(w for f in chain for w in f.words), new_segment=not voiced_briefly(utterance, o))
 
     def _partial(self, utterance: Utterance) -> PartialTranscript:
         heard_s = self.segmenter.stream_s  # the pass's audio may stop short of it (silence)
@@ -442,7 +442,7 @@ def went_on(words: Sequence[Word], utterance: Utterance, options: AsrOptions) ->
     said, but in the wrong final, at the wrong time. An utterance voiced for less than
     `short_utterance_ms` may get no word (a filler or a hum whisper rightly leaves out)."""
     if not words:
-        return _ms(utterance.speech_end_s - utterance.speech_start_s) < options.short_utterance_ms
+        return voiced_briefly(utterance, options)
     return (words[0].start_s >= utterance.audio_start_s - STRAYED_S
             and words[-1].end_s >= utterance.speech_end_s - STOPPED_SHORT_S)
 

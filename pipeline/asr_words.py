@@ -21,7 +21,7 @@ import math
 import re
 from collections.abc import Sequence
 
-from pipeline.asr import AsrOptions, Transcript, Utterance, Word, crammed_copy, norm_word
+from pipeline.asr import AsrOptions, Transcript, Utterance, Word, crammed_copy, norm_word, voiced_briefly
 
 # Whisper's spellings of a hum: "Mm-hmm", "MMMM", "mhm", "Hmm", "M-M-M": each hyphen-separated
 # piece of letters m, n and h alone (as pipeline/turn_taking.MURMUR reads a final's words).
@@ -55,7 +55,7 @@ def heard_as_words(transcript: Transcript, words: Sequence[Word], utterance: Utt
     hums = [bool(HUM.fullmatch(norm_word(p))) for p in pieces]
     if all(hums):
         return False
-    if _ms(utterance.speech_end_s - utterance.speech_start_s) >= options.short_utterance_ms:
+    if not voiced_briefly(utterance, options):
         return True
     unsure = (transcript.no_speech_prob >= options.short_no_speech_probability
               and transcript.avg_logprob < options.short_avg_logprob)
@@ -114,7 +114,3 @@ def _repeated_tail(words: Sequence[Word]) -> int:
         if crammed_copy(words[-k:], words[-2 * k : -k]):
             return k
     return 0
-
-
-def _ms(seconds: float) -> int:
-    return round(seconds * 1000)
