@@ -248,7 +248,8 @@ def run_file(settings, clips: list[BenchClip], folder: Path, cleaner) -> dict:
     from pipeline.file_captions import FileCaptioner, FileCaptionOptions
     from pipeline.media import MediaAudio
 
-    captioner = FileCaptioner(settings.asr, FileCaptionOptions(vad_threshold=settings.caption_vad_threshold),
+    captioner = FileCaptioner(settings.asr, FileCaptionOptions(vad_threshold=settings.caption_vad_threshold,
+                                                               vad_gain_db=settings.caption_vad_gain_db),
                               cleaner=cleaner)  # as `specvox captions` makes it
     with MediaAudio(_write_wav(clips[0], folder)) as media:
         captioner.caption(media)  # warm: the first passes load what they need

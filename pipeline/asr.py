@@ -73,6 +73,11 @@ class AsrOptions:
     # A window under this speech probability is silence, and end_of_speech_silence_ms of them close the
     # utterance. 0: vad_threshold - 0.15, Silero's own hysteresis (`silence_threshold`).
     vad_silence_threshold: float = 0.0
+    # Silero hears the stream this much louder (dB; 0: as it is). Its probabilities fall steeply with the
+    # level on some voices: on a speaker with a cold (`specvox bench asr-finals`' mfa-cold-corpus) 0.5 as
+    # recorded, 0.2 at 2 dB quieter, 0.9 at 2 dB louder, and whole sentences went unheard. Caption streams
+    # ask for more (settings caption_vad_gain_db); whisper hears the audio as it is.
+    vad_gain_db: float = 0.0
     speech_start_ms: int = 200  # speech heard for this long starts an utterance (shorter blips are ignored)
     # Voice heard for this long (the first to the last window at or above vad_threshold) is reported
     # at once as VOICE_STARTED, before it is known to be speech: the gateway pauses a speaking avatar
@@ -234,12 +239,15 @@ class SileroProbabilities:
     this CPU). The model is causal: each window sees 64 samples of the one before and the
     LSTM state it left, so carrying both on gives the very same probabilities (checked in
     tests/e2e/test_asr.py) for the new windows' cost only.
+
+    `gain_db`: the model hears the audio this much louder (`AsrOptions.vad_gain_db`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, gain_db: float = 0.0) -> None:
         from faster_whisper.vad import get_vad_model
 
         self._model = get_vad_model()
+        self._gain = np.float32(10 ** (gain_db / 20))
         self._state = (np.zeros((1, 1, 128), np.float32), np.zeros((1, 1, 128), np.float32))
         self._context = np.zeros(VAD_CONTEXT, np.float32)
         self.probs = np.zeros(0, np.float32)  # one per whole window of the audio seen
@@ -248,6 +256,7 @@ class SileroProbabilities:
         """`audio`: the stream so far (from the first window not yet dropped); returns all probabilities."""
         new = audio[self.probs.size * VAD_WINDOW : audio.size // VAD_WINDOW * VAD_WINDOW].reshape(-1, VAD_WINDOW)
         if new.size:
+            new = new * self._gain
             contexts = np.concatenate([self._context[None], new[:-1, -VAD_CONTEXT:]])
             out, h, c = self._model.session.run(None, {"input": np.concatenate([contexts, new], axis=1),
                                                        "h": self._state[0], "c": self._state[1]})
@@ -415,7 +424,7 @@ class UtteranceSegmenter:
 
     def __init__(self, options: AsrOptions) -> None:
         self.options = options
-        self._probs = SileroProbabilities()
+        self._probs = SileroProbabilities(options.vad_gain_db)
         self._buffer = np.zeros(0, np.float32)
         self._buffer_start = 0  # sample index of _buffer[0] in the stream
         self._checked_to = 0  # the stream sample the last VAD check's multiple of vad_check_every_ms reached

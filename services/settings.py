@@ -134,6 +134,14 @@ class Settings(BaseSettings):
     # conversation keeps 0.5, as its avatar pauses on the voice the VAD hears. 0: the asr's. Also
     # /v1/audio/transcriptions' streams and `specvox captions` (files).
     caption_vad_threshold: float = 0.3
+    # Caption mode: how much louder Silero hears the stream than it is (asr.vad_gain_db; whisper hears it as
+    # it is). On some voices Silero's probability falls steeply with the level: on a speaker with a cold, 0.5
+    # as recorded, 0.2 at 2 dB quieter, and at 0.3 a whole sentence went unheard. `specvox bench asr-finals`'
+    # human recordings, four versions each, streamed with caption options (offline: 327 errors in 2336 words):
+    # 380 errors at 0 dB, 368 at 4, 349 at 6, 348 at 8, 367 at 10, 362 normalised to a 0.9 running peak; the
+    # bundled voices' 126 at 0 and 6 (noise, music, clicks: no final at either; hums an empty one at 6). Also
+    # /v1/audio/transcriptions' streams and `specvox captions` (files). 0: the asr's (0 dB).
+    caption_vad_gain_db: float = 6.0
 
     asr: AsrOptions = AsrOptions()
     llm: LlmOptions = LlmOptions()

@@ -73,7 +73,7 @@ def run_captions(settings, args: argparse.Namespace) -> int:
     fmt = output_format(args)
     limit = args.max_duration_s if args.max_duration_s > 0 else float("inf")
     options = FileCaptionOptions(max_duration_s=limit, style=style, whisper_threads=args.threads or 0,
-                                 vad_threshold=settings.caption_vad_threshold,
+                                 vad_threshold=settings.caption_vad_threshold, vad_gain_db=settings.caption_vad_gain_db,
                                  **({"batch_utterances": args.batch} if args.batch else {}))
     try:
         with MediaAudio(args.input, options.max_duration_s) as media:  # checked before the models load

@@ -315,12 +315,12 @@ def _copy(source: Any, target: Any) -> None:
 
 def _record_config(settings, session_id: str, asked: shapes.TranscriptionRequest) -> asr_pb.StreamConfig:
     """The asr stream of a transcription: 16 kHz PCM, heard as a caption stream hears speech (a transcript
-    is a record, as a caption is): quieter speech begins an utterance (`caption_vad_threshold`) and a
-    sentence cut at a pause is heard whole (`caption_context_pause_ms`); docs/benchmarks, "Streamed finals"."""
+    is a record, as a caption is): quieter speech begins an utterance (`caption_vad_threshold`, `caption_vad_gain_db`)
+    and a sentence cut at a pause is heard whole (`caption_context_pause_ms`); docs/benchmarks, "Streamed finals"."""
     pcm16 = common.AudioFormat(encoding=common.AudioFormat.PCM_S16LE, sample_rate_hz=SAMPLE_RATE_HZ, channels=1,
                                sample_width_bytes=2)
     return asr_pb.StreamConfig(session_id=session_id, format=pcm16, language=asked.language,
-                               vad_threshold=settings.caption_vad_threshold,
+                               vad_threshold=settings.caption_vad_threshold, vad_gain_db=settings.caption_vad_gain_db,
                                context_pause_ms=settings.caption_context_pause_ms)
 
 

@@ -127,14 +127,16 @@ class GatewayServicer(pb_grpc.GatewayServicer):
     def _asr_stream(self, session_id: str, config: Any, audio_format: Any) -> GrpcAsrStream:
         """The conversation's Transcribe stream. A caption stream's utterances are cut at
         `caption_max_utterance_s`, go on from the speech before a pause (`caption_context_pause_ms`) and
-        are heard by the VAD at `caption_vad_threshold`; a conversation's take the asr's own settings, as
-        its turns wait on each final and its avatar pauses on the voice the VAD hears."""
+        are heard by the VAD at `caption_vad_threshold`, `caption_vad_gain_db` louder; a conversation's
+        take the asr's own settings, as its turns wait on each final and its avatar pauses on the voice
+        the VAD hears."""
         if config.mode != convert.Config.CAPTION:
             return GrpcAsrStream(self.stubs.asr, session_id, config.language, audio_format)
         return GrpcAsrStream(self.stubs.asr, session_id, config.language, audio_format,
                              max_utterance_s=self.settings.caption_max_utterance_s,
                              context_pause_ms=self.settings.caption_context_pause_ms,
-                             vad_threshold=self.settings.caption_vad_threshold)
+                             vad_threshold=self.settings.caption_vad_threshold,
+                             vad_gain_db=self.settings.caption_vad_gain_db)
 
 
 async def converse(conversation: Conversation, inputs: AsyncIterator[ClientInput]) -> AsyncIterator[Any]:

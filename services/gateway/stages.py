@@ -40,7 +40,7 @@ class GrpcAsrStream:
 
     def __init__(self, stub: Any, session_id: str, language: str, audio_format: Any, **asked: Any) -> None:
         """`asked`: what the stream asks of the asr's options (StreamConfig's max_utterance_s,
-        context_pause_ms, vad_threshold; none: the service's)."""
+        context_pause_ms, vad_threshold, vad_gain_db; none: the service's)."""
         self._stub = stub
         self._first = asr_pb.TranscribeRequest(config=asr_pb.StreamConfig(
             session_id=session_id, language=language, format=audio_format, **asked))

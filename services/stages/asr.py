@@ -42,6 +42,7 @@ END = object()
 # control: a file sent unpaced had grown the stage by 260 MB in ten minutes of audio with no bound.
 AUDIO_QUEUE_MESSAGES = 256
 MIN_UTTERANCE_CAP_S = 2.0  # a stream's max_utterance_s: less would cut most sentences in pieces
+MAX_VAD_GAIN_DB = 20.0  # the most a stream's vad_gain_db may be: ten times the amplitude
 
 
 class WireAudioDecoder:
@@ -85,14 +86,15 @@ class AsrServicer(pb_grpc.AsrServicer):
             await self.sessions.require(config.session_id)
             events = self.recognize(config.format, config.language, _client_audio(request_iterator, clock),
                                     max_utterance_s=config.max_utterance_s, context_pause_ms=config.context_pause_ms,
-                                    vad_threshold=config.vad_threshold)
+                                    vad_threshold=config.vad_threshold, vad_gain_db=config.vad_gain_db)
             yield pb.TranscriptEvent(kind=Kind.READY, emitted_unix_ms=now_ms())
             async for event in events:
                 yield _event(clock, event)
 
     def recognize(self, fmt: common.AudioFormat, language: str, audio: AsyncIterator[bytes | str],
                   phrases: Sequence[str] = (), max_utterance_s: float = 0.0,
-                  context_pause_ms: int = 0, vad_threshold: float = 0.0) -> AsyncIterator[AsrEvent]:
+                  context_pause_ms: int = 0, vad_threshold: float = 0.0,
+                  vad_gain_db: float = 0.0) -> AsyncIterator[AsrEvent]:
         """One stream's recognition, what every surface of the asr service runs (Transcribe, Riva's
         StreamingRecognize and Recognize): `audio` yields the stream's bytes, and a str for a new
         prompt (`prompt_of`); `phrases`: the first prompt's; the rest, what the stream asks of its
@@ -100,15 +102,17 @@ class AsrServicer(pb_grpc.AsrServicer):
         AudioFormatError)."""
         decoder = WireAudioDecoder(fmt)
         checked = self.transcriber.check_language(language) if language else None
-        options = self._stream_options(max_utterance_s, context_pause_ms, vad_threshold)
+        options = self._stream_options(max_utterance_s, context_pause_ms, vad_threshold, vad_gain_db)
         recognizer = StreamingRecognizer(options, self.transcriber, checked, self.cadence)
         recognizer.prompt = prompt_of_phrases(phrases)
         return self._recognize(recognizer, decoder, audio)
 
-    def _stream_options(self, max_utterance_s: float, context_pause_ms: int, vad_threshold: float) -> AsrOptions:
+    def _stream_options(self, max_utterance_s: float, context_pause_ms: int, vad_threshold: float,
+                        vad_gain_db: float) -> AsrOptions:
         """The service's options with what a stream asks for (StreamConfig; each 0: the service's):
         `max_utterance_s`, a cap under the service's; `context_pause_ms`; `vad_threshold`, 0 to 1, where
-        speech begins, its silence staying the service's (`with_speech_threshold`) where that is lower."""
+        speech begins, its silence staying the service's (`with_speech_threshold`) where that is lower;
+        `vad_gain_db`, 0 to MAX_VAD_GAIN_DB, how much louder Silero hears the stream."""
         options = self.options
         if not math.isfinite(max_utterance_s) or max_utterance_s < 0:
             raise ValueError(f"max_utterance_s must be 0 (the service's) or a positive number of seconds, "
@@ -122,6 +126,10 @@ class AsrServicer(pb_grpc.AsrServicer):
         if not math.isfinite(vad_threshold) or not 0 <= vad_threshold < 1:
             raise ValueError(f"vad_threshold must be 0 (the service's) or a speech probability under 1, "
                              f"not {vad_threshold:g}")
+        if not math.isfinite(vad_gain_db) or not 0 <= vad_gain_db <= MAX_VAD_GAIN_DB:
+            raise ValueError(f"vad_gain_db must be 0 (the service's) to {MAX_VAD_GAIN_DB:g} dB, not {vad_gain_db:g}")
+        if vad_gain_db:
+            options = dataclasses.replace(options, vad_gain_db=vad_gain_db)
         return with_speech_threshold(options, vad_threshold)
 
     async def _recognize(self, recognizer: StreamingRecognizer, decoder: WireAudioDecoder,

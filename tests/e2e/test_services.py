@@ -148,7 +148,7 @@ async def test_each_service_is_healthy_and_reflects_its_api(channels, service):
 def pcm_config(session: str, width: int = 2, encoding=common.AudioFormat.PCM_S16LE, rate: int = 16_000,
                language: str = "", **asked):
     """The config of a stream of 16-bit PCM; `asked`: StreamConfig's max_utterance_s, context_pause_ms,
-    vad_threshold."""
+    vad_threshold, vad_gain_db."""
     fmt = common.AudioFormat(encoding=encoding, sample_rate_hz=rate, channels=1, sample_width_bytes=width)
     return asr.TranscribeRequest(config=asr.StreamConfig(session_id=session, language=language, format=fmt,
                                                          **asked))
@@ -171,6 +171,8 @@ async def test_asr_rejects_bad_input_then_transcribes(channels, session_id, spee
         (grpc.StatusCode.INVALID_ARGUMENT, "at least 2 s", [pcm_config(session_id, max_utterance_s=0.5), audio]),
         (grpc.StatusCode.INVALID_ARGUMENT, "vad_threshold must be", [pcm_config(session_id, vad_threshold=1.5), audio]),
         (grpc.StatusCode.INVALID_ARGUMENT, "not nan", [pcm_config(session_id, vad_threshold=float("nan")), audio]),
+        (grpc.StatusCode.INVALID_ARGUMENT, "vad_gain_db must be", [pcm_config(session_id, vad_gain_db=-3), audio]),
+        (grpc.StatusCode.INVALID_ARGUMENT, "to 20 dB, not 40", [pcm_config(session_id, vad_gain_db=40), audio]),
         (grpc.StatusCode.NOT_FOUND, "unknown session", [pcm_config("no-such-session"), audio]),
         (grpc.StatusCode.INVALID_ARGUMENT, "first message", [audio]),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, "larger than max",
