@@ -292,6 +292,12 @@ def with_speech_threshold(options: AsrOptions, vad_threshold: float) -> AsrOptio
                    vad_silence_threshold=min(silence_threshold(options), vad_threshold))
 
 
+def with_vad_gain(options: AsrOptions, vad_gain_db: float) -> AsrOptions:
+    """`options` with Silero hearing the audio `vad_gain_db` louder (a caption's streams and files ask for
+    it: `AsrOptions.vad_gain_db`); 0: `options` as they are."""
+    return replace(options, vad_gain_db=vad_gain_db) if vad_gain_db else options
+
+
 def speech_spans(probs: np.ndarray, audio_samples: int, threshold: float, min_speech_ms: int,
                  min_silence_ms: int, negative: float) -> list[dict]:
     """Speech spans (sample offsets) from window probabilities, as faster-whisper's

@@ -39,6 +39,7 @@ from pipeline.asr import (
     Word,
     join_words,
     with_speech_threshold,
+    with_vad_gain,
 )
 from pipeline.asr_batch import BatchTranscriber
 from pipeline.asr_words import utterance_words
@@ -76,7 +77,7 @@ class FileCaptionOptions:
     # mean of the four: 0.178 at 0.5, 0.167 at 0.3 (docs/captions.md).
     vad_threshold: float = 0.3
     # How much louder Silero hears the file than it is (asr.vad_gain_db), as a live caption stream hears it
-    # (settings caption_vad_gain_db). The same clips as files, four versions each, transcript errors: the
+    # (settings caption_vad_gain_db); 0: the asr's. The same clips as files, four versions each, transcript errors: the
     # human recordings 375 at 0 dB, 363 at 6 (of 2336 words; the speaker with a cold 77 -> 66), the bundled
     # voices' 156 at both (docs/captions.md).
     vad_gain_db: float = 6.0
@@ -205,8 +206,9 @@ class FileCaptioner:
 
     def __init__(self, asr: AsrOptions, options: FileCaptionOptions = FileCaptionOptions(),
                  cleaner: CaptionCleaning | None = None, transcriber: Transcriber | None = None) -> None:
-        self.asr = replace(with_speech_threshold(asr, options.vad_threshold), cpu_threads=whisper_threads(options),
-                           end_of_speech_silence_ms=options.end_of_speech_silence_ms, vad_gain_db=options.vad_gain_db)
+        heard = with_vad_gain(with_speech_threshold(asr, options.vad_threshold), options.vad_gain_db)
+        self.asr = replace(heard, cpu_threads=whisper_threads(options),
+                           end_of_speech_silence_ms=options.end_of_speech_silence_ms)
         self.options = options
         self.cleaner = cleaner or TranscriptAsCaption()
         self.transcriber = transcriber or Transcriber(self.asr)

@@ -10,7 +10,14 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 import numpy as np
 
-from pipeline.asr import SAMPLE_RATE_HZ, AsrOptions, Transcriber, prompt_of_phrases, with_speech_threshold
+from pipeline.asr import (
+    SAMPLE_RATE_HZ,
+    AsrOptions,
+    Transcriber,
+    prompt_of_phrases,
+    with_speech_threshold,
+    with_vad_gain,
+)
 from pipeline.asr_stream import (
     AsrEvent,
     PartialTranscript,
@@ -128,9 +135,7 @@ class AsrServicer(pb_grpc.AsrServicer):
                              f"not {vad_threshold:g}")
         if not math.isfinite(vad_gain_db) or not 0 <= vad_gain_db <= MAX_VAD_GAIN_DB:
             raise ValueError(f"vad_gain_db must be 0 (the service's) to {MAX_VAD_GAIN_DB:g} dB, not {vad_gain_db:g}")
-        if vad_gain_db:
-            options = dataclasses.replace(options, vad_gain_db=vad_gain_db)
-        return with_speech_threshold(options, vad_threshold)
+        return with_speech_threshold(with_vad_gain(options, vad_gain_db), vad_threshold)
 
     async def _recognize(self, recognizer: StreamingRecognizer, decoder: WireAudioDecoder,
                          audio: AsyncIterator[bytes | str]) -> AsyncIterator[AsrEvent]:

@@ -639,7 +639,7 @@ def test_a_caption_stream_hears_a_voice_silero_is_unsure_of(transcriber):
     stream hears it, `caption_vad_gain_db` louder (whisper still hears the audio as it is), the VAD hears
     the sentence whole, and the final has its words."""
     from bench.human_speech import load_clips
-    from pipeline.asr import UtteranceSegmenter, with_speech_threshold
+    from pipeline.asr import UtteranceSegmenter, with_speech_threshold, with_vad_gain
     from services.settings import Settings
 
     settings = Settings()
@@ -655,7 +655,7 @@ def test_a_caption_stream_hears_a_voice_silero_is_unsure_of(transcriber):
                 heard += max(0.0, min(u.speech_end_s, sentence[1]) - max(u.speech_start_s, sentence[0]))
         return heard / (sentence[1] - sentence[0])
 
-    louder = replace(caption, vad_gain_db=settings.caption_vad_gain_db)
+    louder = with_vad_gain(caption, settings.caption_vad_gain_db)
     as_recorded, louder_heard = heard_of_sentence(caption), heard_of_sentence(louder)
     assert as_recorded < 0.5 and louder_heard > 0.95, (as_recorded, louder_heard)
     text = normalised_text(" ".join(f.text for f in finals(stream(StreamingRecognizer(louder, transcriber), audio))))

@@ -168,7 +168,7 @@ async def test_a_transcription_hears_speech_as_a_caption_stream_does(client, tra
     from dataclasses import replace
 
     from bench.human_speech import load_clips
-    from pipeline.asr import with_speech_threshold
+    from pipeline.asr import with_speech_threshold, with_vad_gain
     from pipeline.asr_stream import StreamingRecognizer
     from pipeline.audio import pcm_to_mono_float, read_wav
     from tests.e2e.test_asr_stream import finals, stream
@@ -176,8 +176,9 @@ async def test_a_transcription_hears_speech_as_a_caption_stream_does(client, tra
     path = write_wav(tmp_path / "cold.wav", load_clips(["mfa-cold-corpus"])[0].audio, 16_000)
     audio = pcm_to_mono_float(*read_wav(str(path)))
     settings = Settings()
-    caption = with_speech_threshold(replace(settings.asr, context_pause_ms=settings.caption_context_pause_ms,
-                                            vad_gain_db=settings.caption_vad_gain_db), settings.caption_vad_threshold)
+    caption = with_speech_threshold(replace(settings.asr, context_pause_ms=settings.caption_context_pause_ms),
+                                    settings.caption_vad_threshold)
+    caption = with_vad_gain(caption, settings.caption_vad_gain_db)
     heard = [[(f.text, round(f.utterance.speech_start_s, 3), round(f.utterance.speech_end_s, 3))
               for f in finals(stream(StreamingRecognizer(options, transcriber), audio))]
              for options in (caption, settings.asr)]
