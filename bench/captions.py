@@ -349,12 +349,11 @@ def judge_live(clip: BenchClip, results: list) -> dict:
         rows.append({"transcript": r.transcript, "caption": r.caption.text, "speech_end_s": round(end, 3),
                      "vad_end_s": round(r.speech_end_s, 3), "delay_ms": None if delay is None else round(delay),
                      **_stage_delays(r.report, started_ms + end * 1000 if started_ms is not None else None)})
-    from pipeline.captions import Cue
+    from pipeline.captions import shown_cue
 
     utterances = [Captioned(r.transcript, r.caption.text, [(c.text, c.start_s, c.end_s) for c in r.caption.cues])
                   for r in captioned]
-    lines = [Cue(c.start_s, c.end_s, " ".join(c.text.split("\n")), lines=tuple(c.text.split("\n")), utterance=k)
-             for k, r in enumerate(captioned) for c in r.caption.lines]  # a line cue's lines: its text's lines
+    lines = [shown_cue(c.start_s, c.end_s, c.text, k) for k, r in enumerate(captioned) for c in r.caption.lines]
     row = judge(clip, utterances, lines)
     failed = [r.report.get("finish_reason") for r in results if r.report and r.caption is None]
     return row | {"delay_ms_p50": percentile(delays, 50), "delay_ms_p95": percentile(delays, 95),

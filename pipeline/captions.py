@@ -34,6 +34,13 @@ class Cue:
         return self.lines or (self.text,)
 
 
+def shown_cue(start_s: float, end_s: float, shown: str, utterance: int = 0) -> Cue:
+    """The cue whose shown text is `shown`, its lines separated by line breaks, as the protos carry a broadcast
+    cue (services/gateway/convert.caption_cue): its `text` is the lines joined by spaces."""
+    lines = tuple(shown.split("\n"))
+    return Cue(start_s, end_s, " ".join(lines), lines=lines, utterance=utterance)
+
+
 def vtt_timestamp(seconds: float) -> str:
     ms = max(0, round(seconds * 1000))
     h, rest = divmod(ms, 3_600_000)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.audio import PcmFormat, float_to_pcm16, read_wav, wav_bytes
-from pipeline.captions import Cue, srt_document, webvtt_document
+from pipeline.captions import Cue, shown_cue, srt_document, webvtt_document
 from pipeline.turn_taking import PlaybackClock
 from services.channels import message_size_options, open_channel
 from services.protos import load, load_common
@@ -294,7 +294,7 @@ def _record(turn: TurnResult, event, started_unix_s: float, speaker: Loudspeaker
         turn.transcript, turn.speech_end_s = t.text, t.speech_end_s
         turn.words = [{"text": w.text, "start_s": w.start_s, "end_s": w.end_s} for w in t.words]
         turn.utterance_index = t.utterance_index
-        turn.user_cues = [Cue(c.start_s, c.end_s, c.text) for c in t.cues]
+        turn.user_cues = [shown_cue(c.start_s, c.end_s, c.text) for c in t.cues]
     elif kind == "reply_text":
         turn.reply_text += event.reply_text.text_delta
     elif kind == "audio":
@@ -425,8 +425,9 @@ class GatewayCaptions:
     total_s: float = 0.0  # until the last caption came
 
     def lines(self) -> list[Cue]:
-        """The caption lines (whole-line cues) of every utterance, on the file's timeline."""
-        return [Cue(c.start_s, c.end_s, c.text) for caption in self.captions for c in caption.lines]
+        """The broadcast cues of every utterance, line for line as the gateway laid them out, on the file's timeline."""
+        return [shown_cue(c.start_s, c.end_s, c.text, k)
+                for k, caption in enumerate(self.captions) for c in caption.lines]
 
     def documents(self) -> dict[str, str]:
         """captions.vtt, captions.srt and captions.json (each caption's text and word times) by file name."""

@@ -210,6 +210,12 @@ def test_a_speaker_who_never_pauses_is_captioned_in_pieces_through_the_gateway(t
     spans = [(c["words"][0]["start"], c["words"][-1]["end"]) for c in captioned if c["words"]]
     assert len(spans) >= 8 and max(end - start for start, end in spans) <= 6.1, spans
     assert [unsaid_words(c["transcript"], c["text"]) for c in captioned] == [[]] * len(captioned)
+    # The documents keep the gateway's broadcast cues line for line: two lines of at most 42 characters, not one.
+    out = tmp_path / "out"
+    for document, shown in (("vtt", [c.text.split("\n") for c in webvtt.read(str(out / "captions.vtt"))]),
+                            ("srt", [s.content.split("\n") for s in srt.parse((out / "captions.srt").read_text())])):
+        assert all(len(lines) <= 2 and max(map(len, lines)) <= 42 for lines in shown), (document, shown)
+        assert any(len(lines) == 2 for lines in shown), (document, shown)
 
 
 def test_whisper_takes_a_thread_per_core_for_files_and_the_option_overrides_it():
