@@ -847,12 +847,44 @@ def norm_word(text: str) -> str:
     return "".join(c for c in text.lower() if c.isalnum())
 
 
+# A copy whisper crams into an instant may differ from what it copies by a word ("the reporting
+# environment is also quite different. The reporting environment is also a quite different.", the
+# second sentence timed at one instant but its last word): one of at least this many words is
+# matched with one word added, left out or changed, where most of its words, and the one added or
+# changed, have no duration.
+LOOSE_COPY_MIN_WORDS = 4
+
+
 def crammed_copy(copy: Sequence[Word], said: Sequence[Word]) -> bool:
     """Whether `copy` is whisper's copy of the words `said`, not the speaker's: the same words (as
     `norm_word` compares them), one of them given no duration, as no spoken word is (a real
-    repetition, "bye bye", is timed like what it repeats)."""
-    return ([norm_word(w.text) for w in copy] == [norm_word(w.text) for w in said]
-            and any(w.end_s <= w.start_s for w in copy))
+    repetition, "bye bye", is timed like what it repeats); or, from `LOOSE_COPY_MIN_WORDS` words
+    up, the same but for one word (`LOOSE_COPY_MIN_WORDS`)."""
+    copied, original = [norm_word(w.text) for w in copy], [norm_word(w.text) for w in said]
+    instant = [w.end_s <= w.start_s for w in copy]
+    if copied == original:
+        return any(instant)
+    if min(len(copied), len(original)) < LOOSE_COPY_MIN_WORDS or 2 * sum(instant) <= len(copy):
+        return False
+    odd = _odd_word(copied, original)
+    return odd is not None and all(instant[i] for i in odd)
+
+
+def _odd_word(copy: Sequence[str], original: Sequence[str]) -> tuple[int, ...] | None:
+    """Where `copy` has the one word added or changed that makes it from `original`, as its index (`()`: a
+    word left out); None where no one word does (the two differ)."""
+    if abs(len(copy) - len(original)) > 1:
+        return None
+    head = next((i for i, (a, b) in enumerate(zip(copy, original, strict=False)) if a != b),
+                min(len(copy), len(original)))
+    if copy[head + (len(copy) >= len(original)):] != original[head + (len(original) >= len(copy)):]:
+        return None
+    return (head,) if len(copy) >= len(original) else ()
+
+
+def copy_lengths(copy_words: int) -> tuple[int, ...]:
+    """How many words a copy of `copy_words` may copy (`crammed_copy`): as many, or one more or fewer."""
+    return (copy_words,) if copy_words < LOOSE_COPY_MIN_WORDS else (copy_words, copy_words - 1, copy_words + 1)
 
 
 def said_again(before: Sequence[Word], words: Sequence[Word]) -> int:
@@ -863,8 +895,8 @@ def said_again(before: Sequence[Word], words: Sequence[Word]) -> int:
     is the sixth form." with "So" and "this" both at the instant the audio before ends: the words
     before, crammed in ahead of the new speech, as `asr_words.spoken_words` finds them crammed
     into the end of an utterance."""
-    for k in range(min(len(before), len(words)), 0, -1):
-        if crammed_copy(words[:k], before[-k:]):
+    for k in range(len(words), 0, -1):
+        if any(0 < n <= len(before) and crammed_copy(words[:k], before[-n:]) for n in copy_lengths(k)):
             return k
     return 0
 

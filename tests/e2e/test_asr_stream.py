@@ -547,6 +547,21 @@ def test_a_pass_going_on_does_not_say_the_words_before_it_once_more(transcriber)
     assert went_on(went, second, GOING_ON)
 
 
+def test_a_sentence_whisper_writes_twice_in_one_pass_is_said_once(transcriber):
+    """The speaker with a cold saying "Um, the reporting environment is also quite different." (speech at
+    9.92-12.9 s), heard alone as the gateway's caption stream with its 6 s cap heard it: whisper tiny wrote the
+    sentence, then "The reporting environment is also a quite different.", every word of that copy at 12.62 s
+    but its last. A copy one word off, crammed into an instant, is whisper's (`crammed_copy`): the final says
+    the sentence once."""
+    from bench.human_speech import load_clips
+
+    audio = load_clips(["mfa-cold-corpus"])[0].audio
+    heard = Utterance(0, 9.92, 12.9, audio=audio[round(9.62 * SAMPLE_RATE_HZ):round(12.964 * SAMPLE_RATE_HZ)],
+                      audio_start_s=9.62)
+    said = utterance_words(transcriber.transcribe(heard), heard, GOING_ON)
+    assert normalised_text(" ".join(texts(said))) == "the reporting environment is also quite different"
+
+
 def test_a_pass_going_on_writes_the_speech_after_a_finished_sentence(transcriber):
     """A reading of Sense and Sensibility (LibriVox, pocketsphinx's test data), as a caption stream replayed in
     real time heard it: "Unless to be rather cold-hearted … is to be ill-disposed." at 10.37-15.42 s, then
@@ -660,6 +675,31 @@ def test_a_caption_stream_hears_a_voice_silero_is_unsure_of(transcriber):
     assert as_recorded < 0.5 and louder_heard > 0.95, (as_recorded, louder_heard)
     text = normalised_text(" ".join(f.text for f in finals(stream(StreamingRecognizer(louder, transcriber), audio))))
     assert "saying a bunch of different words" in text, text
+
+
+def test_a_caption_stream_goes_on_past_the_rest_of_a_cut_that_has_no_words(transcriber):
+    """The speaker with a cold as the gateway's caption streams hear her (6 s cap, 0.3, 6 dB louder): her first
+    sentence is cut at the cap, and the rest of it (6.66-7.10 s) gets no words, its pass going on from the
+    words before, which already say them. The next utterance, her quiet "acoustic corpus" (7.33-9.15 s), still
+    goes on from the speech before (heard alone, it was no speech, and "Um, the reporting environment is also
+    quite different." after it came out twice), and no sentence is said twice."""
+    from bench.human_speech import load_clips
+    from pipeline.asr import with_speech_threshold, with_vad_gain
+    from services.settings import Settings
+
+    settings = Settings()
+    audio = load_clips(["mfa-cold-corpus"])[0].audio
+    caption = with_vad_gain(with_speech_threshold(
+        replace(AsrOptions(), context_pause_ms=settings.caption_context_pause_ms,
+                max_utterance_s=settings.caption_max_utterance_s), settings.caption_vad_threshold),
+        settings.caption_vad_gain_db)
+    said = finals(stream(StreamingRecognizer(caption, transcriber), audio, chunk_s=0.04))
+    cut = [f for a, f in itertools.pairwise(said) if f.utterance.speech_start_s <= a.utterance.speech_end_s]
+    assert cut and not cut[0].words, [(f.utterance.speech_start_s, f.text) for f in said]
+    acoustic = next(f for f in said if f.utterance.speech_start_s > cut[0].utterance.speech_end_s)
+    assert acoustic.before is not None and "acoustic" in normalised_text(acoustic.text), acoustic.text
+    text = normalised_text(" ".join(f.text for f in said))
+    assert text.count("reporting environment") == 1, text
 
 
 def test_speech_that_comes_in_at_once_is_cut_within_the_cap_too(transcriber):

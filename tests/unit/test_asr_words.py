@@ -3,10 +3,12 @@ with the measures whisper gave the recorded cases (tests/e2e/test_asr_stream.py 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
-from pipeline.asr import AsrOptions, Transcript, Utterance, Word
-from pipeline.asr_words import heard_as_words, utterance_words, without_loop
+from pipeline.asr import AsrOptions, Transcript, Utterance, Word, said_again
+from pipeline.asr_words import heard_as_words, spoken_words, utterance_words, without_loop
 
 
 def words(text: str, start_s: float = 0.5, step_s: float = 0.2, probability: float = 0.9) -> tuple[Word, ...]:
@@ -110,3 +112,28 @@ def test_a_pass_that_says_the_words_before_once_more_keeps_the_words_after_them(
     assert said_again(before, (Word(" So", 2.41, 2.41, 0.6),) + new) == 0
     assert said_again(before, new + crammed) == 0
     assert said_again((), crammed) == 0 and said_again(before, ()) == 0
+
+
+def test_a_copy_one_word_off_crammed_into_an_instant_is_whispers():
+    """Whisper tiny wrote "the reporting environment is also quite different. The reporting environment is also a
+    quite different.", the copy's words all at one instant but its last (mfa-cold-corpus, its 6 s cap)."""
+    options = AsrOptions()
+    said = words("the reporting environment is also quite different.", start_s=9.6, step_s=0.4)  # to 12.4
+    copy = tuple(Word(f" {t}", 12.62, 12.62, 0.9) for t in "The reporting environment is also a quite".split())
+    crammed = copy + (Word(" different.", 12.62, 12.78, 1.0),)
+    speech = Utterance(0, speech_start_s=9.6, speech_end_s=12.9, audio=np.zeros(1, np.float32))
+    assert texts(utterance_words(pass_of(said + crammed), speech, options)) == texts(said)
+    # A word left out or changed inside the copy as well; the words after it in a pass going on stay.
+    before = tuple(Word(w.text, w.start_s - 10, w.end_s - 10, 0.9) for w in said)
+    for changed in ("reporting environment is also quite", "the reporting environment was also quite"):
+        copy = tuple(Word(f" {t}", 2.0, 2.0, 0.9) for t in changed.split()) + (Word(" different.", 2.0, 2.1, 0.9),)
+        assert said_again(before, copy + words("and more", start_s=2.2)) == len(copy), changed
+    # The word added must be crammed in too: "and", said after the copy, is not whisper's.
+    copy = tuple(Word(f" {t}", 2.0, 2.0, 0.9) for t in "reporting environment is also quite different.".split())
+    assert said_again(before, copy + words("and more", start_s=2.2)) == len(copy)
+    # A copy said as it is timed (a speaker repeating themself with a change) stays, as does a short copy
+    # with a change: "so this is" after "so that is" at an instant can be what was said.
+    timed = words("the reporting environment was also quite different.", start_s=12.9)
+    assert texts(spoken_words(said + timed, replace(speech, speech_end_s=15.8), True)) == texts(said + timed)
+    short = tuple(Word(f" {t}", 2.0, 2.0, 0.9) for t in "so this is".split())
+    assert said_again(words("so that is", start_s=1.0), short + words("it", start_s=2.1)) == 0
