@@ -409,9 +409,13 @@ class StreamingRecognizer:
         final = FinalTranscript(utterance, words, reused_partial=reuse, before=before)
         if self._heard is not None:  # what the next finals may go on from
             # An utterance with no words (a hum, a cough) ends it: its audio would be heard with no
-            # words for it, and whisper would write some. A final whose audio is no longer kept is done with.
+            # words for it, and whisper would write some. Not the rest of speech cut at max_utterance_s
+            # (it begins where the last ended), whose words the pass before may have written already:
+            # heard alone after it, the cold speaker's quiet "acoustic corpus" was no speech. A final
+            # whose audio is no longer kept is done with.
             kept = [f for f in self._said if f.utterance.audio_start_s >= self._heard.start_s]
-            self._said = [*kept, final] if words else []
+            cut = bool(kept) and utterance.speech_start_s <= kept[-1].utterance.speech_end_s
+            self._said = [*kept, final] if words or cut else []
         return final
 
 
