@@ -122,9 +122,9 @@ async def _serve(settings: Any, service: Service) -> None:
     name, worker_name = service.name, settings.worker_name_of(service.name)
     server, health_servicer, address = await build_server(settings, name, service)
     hooks.start_metrics(settings, name)
-    await server.start()
-    print(f"specvox {name} ({worker_name}) listening on {address}", flush=True)
 
+    # Signals are handled before the service says it listens: one sent as soon as it does (a supervisor's
+    # SIGTERM, SIGUSR2 for a snapshot) would otherwise meet the default action and end the process.
     draining, signalled = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -137,6 +137,8 @@ async def _serve(settings: Any, service: Service) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig)
     memory_trace.install(name, worker_name, loop)
+    await server.start()
+    print(f"specvox {name} ({worker_name}) listening on {address}", flush=True)
     workers = {asyncio.create_task(w(draining), name=f"{worker_name} worker {_label(w)}"): w for w in service.workers}
     failure: str | None = None
     try:
