@@ -859,7 +859,7 @@ def crammed_copy(copy: Sequence[Word], said: Sequence[Word]) -> bool:
     """Whether `copy` is whisper's copy of the words `said`, not the speaker's: the same words (as
     `norm_word` compares them), one of them given no duration, as no spoken word is (a real
     repetition, "bye bye", is timed like what it repeats); or, from `LOOSE_COPY_MIN_WORDS` words
-    up, the same but for one word (`LOOSE_COPY_MIN_WORDS`)."""
+    up, the same but for one word."""
     copied, original = [norm_word(w.text) for w in copy], [norm_word(w.text) for w in said]
     instant = [w.end_s <= w.start_s for w in copy]
     if copied == original:
@@ -882,9 +882,12 @@ def _odd_word(copy: Sequence[str], original: Sequence[str]) -> tuple[int, ...] |
     return (head,) if len(copy) >= len(original) else ()
 
 
-def copy_lengths(copy_words: int) -> tuple[int, ...]:
-    """How many words a copy of `copy_words` may copy (`crammed_copy`): as many, or one more or fewer."""
-    return (copy_words,) if copy_words < LOOSE_COPY_MIN_WORDS else (copy_words, copy_words - 1, copy_words + 1)
+def crammed_copy_of_last(copy: Sequence[Word], before: Sequence[Word]) -> bool:
+    """Whether `copy` is whisper's copy (`crammed_copy`) of the last words of `before`: as many words as it
+    has, or from `LOOSE_COPY_MIN_WORDS` up one more or fewer."""
+    k = len(copy)
+    lengths = (k,) if k < LOOSE_COPY_MIN_WORDS else (k, k - 1, k + 1)
+    return any(0 < n <= len(before) and crammed_copy(copy, before[-n:]) for n in lengths)
 
 
 def said_again(before: Sequence[Word], words: Sequence[Word]) -> int:
@@ -896,7 +899,7 @@ def said_again(before: Sequence[Word], words: Sequence[Word]) -> int:
     before, crammed in ahead of the new speech, as `asr_words.spoken_words` finds them crammed
     into the end of an utterance."""
     for k in range(len(words), 0, -1):
-        if any(0 < n <= len(before) and crammed_copy(words[:k], before[-n:]) for n in copy_lengths(k)):
+        if crammed_copy_of_last(words[:k], before):
             return k
     return 0
 

@@ -21,7 +21,7 @@ import math
 import re
 from collections.abc import Sequence
 
-from pipeline.asr import AsrOptions, Transcript, Utterance, Word, copy_lengths, crammed_copy, norm_word, voiced_briefly
+from pipeline.asr import AsrOptions, Transcript, Utterance, Word, crammed_copy_of_last, norm_word, voiced_briefly
 
 # Whisper's spellings of a hum: "Mm-hmm", "MMMM", "mhm", "Hmm", "M-M-M": each hyphen-separated
 # piece of letters m, n and h alone (as pipeline/turn_taking.MURMUR reads a final's words).
@@ -109,8 +109,8 @@ def spoken_words(words: Sequence[Word], utterance: Utterance, ended: bool = Fals
 
 
 def _repeated_tail(words: Sequence[Word]) -> int:
-    """How many trailing words are whisper's copy of the words just before them (`crammed_copy`); 0: none."""
+    """How many trailing words are whisper's copy of the words just before them (`crammed_copy_of_last`); 0: none."""
     for k in range(1, len(words)):
-        if any(k + n <= len(words) and crammed_copy(words[-k:], words[-k - n : -k]) for n in copy_lengths(k)):
+        if crammed_copy_of_last(words[-k:], words[:-k]):
             return k
     return 0
