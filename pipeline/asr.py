@@ -135,6 +135,10 @@ class AsrOptions:
     # (_long_utterance_cut; Whisper sees at most 30 s). A stream may ask for less (StreamConfig.max_utterance_s): live
     # captions are cleaned only once an utterance closes, so the gateway asks for captions.max_utterance_s.
     max_utterance_s: float = 25.0
+    # Speech cut at max_utterance_s closes once this much audio after the cut is heard, and its pass
+    # hears it: the words it keeps begin before the cut, but whisper hears a word the cut runs through
+    # whole ("Tex." | "as, originally" for "Texas, originally" where the pass stopped at the cut).
+    cut_lookahead_ms: int = 600
     # Encode only the audio and a second of silence after it instead of Whisper's whole 30 s
     # window: the encoder's cost falls with it (see encoder_samples). False: the 30 s window.
     trim_encoder_input: bool = True
@@ -475,12 +479,13 @@ class UtteranceSegmenter:
             return None
         return self._utterance(self._open[0]["start"], self._open[-1]["end"])
 
-    def _utterance(self, start: int, end: int) -> Utterance:
+    def _utterance(self, start: int, end: int, heard_after: int = 0) -> Utterance:
         """The utterance of the speech from buffer sample `start` to `end`: its audio from
-        `transcribe_pad_ms` before the speech to `final_reuse_margin_ms` after it (as far as heard).
+        `transcribe_pad_ms` before the speech to `final_reuse_margin_ms` after it, or `heard_after`
+        samples where more (speech cut at `max_utterance_s`: `cut_lookahead_ms`), as far as heard.
         Whisper given more of the silence that follows tends to add words to it ("Thank you.")."""
         before = self.options.transcribe_pad_ms * SAMPLE_RATE_HZ // 1000
-        after = self.options.final_reuse_margin_ms * SAMPLE_RATE_HZ // 1000
+        after = max(self.options.final_reuse_margin_ms * SAMPLE_RATE_HZ // 1000, heard_after)
         lo, hi = max(0, start - before), min(self._buffer.size, end + after)
         return Utterance(
             index=self._index,
@@ -510,6 +515,7 @@ class UtteranceSegmenter:
             return []
         needed = self.options.end_of_speech_silence_ms * SAMPLE_RATE_HZ // 1000
         longest = int(self.options.max_utterance_s * SAMPLE_RATE_HZ)
+        lookahead = self.options.cut_lookahead_ms * SAMPLE_RATE_HZ // 1000
         closed = []
         while spans:
             first = spans.pop(0)
@@ -517,11 +523,11 @@ class UtteranceSegmenter:
             # still spoken, or ended but longer than the cap (audio that came in one piece, a file sent unpaced)
             cut = (_long_utterance_cut(first, probs, longest, max(o.vad_threshold, CUT_GAP_THRESHOLD))
                    if speaking or first["end"] - first["start"] > longest else None)
-            if cut is None and speaking:
+            if speaking and (cut is None or self._buffer.size < cut + lookahead):
                 spans = [first]
-                break  # the last span is still being spoken
+                break  # the last span is still being spoken (and past a cut, not yet heard far enough)
             end = first["end"] if cut is None else cut
-            closed.append(self._close(first["start"], end))
+            closed.append(self._close(first["start"], end, lookahead if cut is not None else 0))
             dropped = end // VAD_WINDOW  # windows _close forgot of the buffer
             probs = probs[dropped:]
             if cut is not None and first["end"] - cut >= VAD_WINDOW:  # cut between words: the rest is an
@@ -559,8 +565,8 @@ class UtteranceSegmenter:
                             self.options.vad_threshold, 0, VAD_FRAME_MS, silence_threshold(self.options))
         return first * VAD_WINDOW + tail[-1]["end"] if tail else span["start"] + 1
 
-    def _close(self, start: int, end: int) -> Utterance:
-        utterance = self._utterance(start, end)
+    def _close(self, start: int, end: int, heard_after: int = 0) -> Utterance:
+        utterance = self._utterance(start, end, heard_after)
         self._index += 1
         self._drop(end // VAD_WINDOW)
         return utterance
