@@ -24,7 +24,9 @@ Sections, each printed as soon as it is done:
   mode; the delay from each utterance's end of speech (the last 10 ms frame within 35 dB of the clip's
   loudest, before the gateway's own end of speech + 0.3 s and before the next caption's first word) to the
   arrival of its cleaned Caption event at the client (provisional ones, the ASR's words while the user
-  speaks, are counted apart), p50 / p95 (goal ≤ 400 / 800 ms); the live captions' WER, words never said,
+  speaks, are counted apart), p50 / p95 (goal ≤ 400 / 800 ms), over all captions and apart for those of speech
+  that ended with a pause and of speech cut at `caption_max_utterance_s` (the speaker had not stopped: its
+  delay runs from the cut, and includes `asr.cut_lookahead_ms`); the live captions' WER, words never said,
   timing, and the style violations of their lines (Caption.lines, each caption an utterance); and where
   the delay went, from the stages' own clocks in the turn's report (`STAGE_DELAYS`).
 
@@ -332,7 +334,9 @@ async def _stream_clip(address: str, clip: BenchClip, settings) -> list:
                                                   PcmFormat(SAMPLE_RATE_HZ, 1, 2), options), CLIP_TIMEOUT_S)
 
 
-def judge_live(clip: BenchClip, results: list) -> dict:
+def judge_live(clip: BenchClip, results: list, pause_s: float) -> dict:
+    """The live captions of one clip judged; `pause_s`: the asr's end-of-speech silence (an utterance
+    whose next begins sooner after it was cut at the cap: its speaker had not stopped)."""
     captioned = sorted((r for r in results if r.caption is not None), key=lambda r: r.speech_end_s)
     started_ms = next((r.report["speech_end_unix_ms"] - r.report["speech_end_s"] * 1000
                        for r in results if r.report), None)
@@ -346,8 +350,10 @@ def judge_live(clip: BenchClip, results: list) -> dict:
         delay = r.caption_unix_ms - (started_ms + end * 1000) if started_ms is not None else None
         if delay is not None:
             delays.append(delay)
+        cut = k + 1 < len(captioned) and captioned[k + 1].speech_start_s - r.speech_end_s < pause_s
         rows.append({"transcript": r.transcript, "caption": r.caption.text, "speech_end_s": round(end, 3),
-                     "vad_end_s": round(r.speech_end_s, 3), "delay_ms": None if delay is None else round(delay),
+                     "vad_end_s": round(r.speech_end_s, 3), "cut": cut,
+                     "delay_ms": None if delay is None else round(delay),
                      **_stage_delays(r.report, started_ms + end * 1000 if started_ms is not None else None)})
     from pipeline.captions import shown_cue
 
@@ -398,12 +404,17 @@ def run_live(settings, clips: list[BenchClip], work: Path) -> dict:
             except Exception as e:  # noqa: BLE001 - a clip that fails is reported, the rest still run
                 row = {"clip": clip.name, "kind": clip.kind, "error": f"{type(e).__name__}: {e}"}
             else:
-                row = judge_live(clip, results)
+                row = judge_live(clip, results, settings.asr.end_of_speech_silence_ms / 1000)
             out["rows"].append(row)
             print_row("live", row)
         out["log"] = str(stack.log)
-    all_delays = [d["delay_ms"] for r in out["rows"] for d in r.get("rows", []) if d["delay_ms"] is not None]
-    out["delay_ms_p50"], out["delay_ms_p95"] = percentile(all_delays, 50), percentile(all_delays, 95)
+    timed = [d for r in out["rows"] for d in r.get("rows", []) if d["delay_ms"] is not None]
+    # All captions; those of speech that ended (a pause after it); those of speech cut at the cap, from the cut.
+    for prefix, part in (("", timed), ("ended_", [d for d in timed if not d["cut"]]),
+                         ("cut_", [d for d in timed if d["cut"]])):
+        delays = [d["delay_ms"] for d in part]
+        out[f"{prefix}delay_ms_p50"], out[f"{prefix}delay_ms_p95"] = percentile(delays, 50), percentile(delays, 95)
+        out[f"{prefix}captions"] = len(part)
     out.update(_stage_percentiles([d for r in out["rows"] for d in r.get("rows", [])]))
     return out
 
@@ -452,7 +463,12 @@ def print_tables(results: dict) -> None:
                   f"{r['style_violations']} | {tail} |")
         if section == "live":
             print(f"all utterances: delay p50 {_na(part['delay_ms_p50'])} ms, p95 {_na(part['delay_ms_p95'])} ms "
-                  f"(goal ≤ {GOALS['live_delay_p50_ms']} / {GOALS['live_delay_p95_ms']}); after the end of speech, "
+                  f"(goal ≤ {GOALS['live_delay_p50_ms']} / {GOALS['live_delay_p95_ms']}); "
+                  f"{part.get('ended_captions')} that ended with a pause "
+                  f"{_na(part.get('ended_delay_ms_p50'))} / {_na(part.get('ended_delay_ms_p95'))} ms, "
+                  f"{part.get('cut_captions')} cut at the cap (from the cut, which the asr hears "
+                  f"asr.cut_lookahead_ms past) {_na(part.get('cut_delay_ms_p50'))} / "
+                  f"{_na(part.get('cut_delay_ms_p95'))} ms; after the end of speech, "
                   f"p50 / p95 ms: the asr's final {_na(part.get('final_ms_p50'))} / {_na(part.get('final_ms_p95'))}, "
                   f"the llm took it {_na(part.get('llm_in_ms_p50'))} / {_na(part.get('llm_in_ms_p95'))}, "
                   f"cleaned {_na(part.get('llm_done_ms_p50'))} / {_na(part.get('llm_done_ms_p95'))}")

@@ -72,6 +72,7 @@ class TurnResult:
     turn_id: str = ""
     transcript: str = ""
     words: list[dict] = field(default_factory=list)
+    speech_start_s: float = 0.0
     speech_end_s: float = 0.0
     reply_text: str = ""
     audio: list[tuple[float, bytes]] = field(default_factory=list)  # (start_s, pcm)
@@ -291,7 +292,7 @@ def _record(turn: TurnResult, event, started_unix_s: float, speaker: Loudspeaker
     kind = event.WhichOneof("event")
     if kind == "transcript":
         t = event.transcript
-        turn.transcript, turn.speech_end_s = t.text, t.speech_end_s
+        turn.transcript, turn.speech_start_s, turn.speech_end_s = t.text, t.speech_start_s, t.speech_end_s
         turn.words = [{"text": w.text, "start_s": w.start_s, "end_s": w.end_s} for w in t.words]
         turn.utterance_index = t.utterance_index
         turn.user_cues = [shown_cue(c.start_s, c.end_s, c.text) for c in t.cues]
