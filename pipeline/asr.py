@@ -344,6 +344,8 @@ def _long_utterance_cut(span: dict, probs: np.ndarray, longest: int, threshold: 
     Past `longest` less LONG_UTTERANCE_SEARCH_S (at least half of `longest`), the first window Silero puts
     under the speech `threshold` (a gap between words) cuts it as soon as it is heard; at `longest` with
     none, the quietest 96 ms (three windows' mean probability) since then does, short of its last 200 ms.
+    The same cut is found at every check after (the windows' probabilities do not change), so the caller
+    may wait for `cut_lookahead_ms` of audio after it before it closes the utterance there.
     On seven human recordings, a 6 s cap cut 7 utterances, each within 0.43 s of its cut point, for +0.010
     WER (0.2118 against 0.2014 uncut); waiting for a 64 ms gap under Silero's end-of-speech level instead
     left three cuts 0.4-1.8 s late, for +0.016."""
