@@ -426,8 +426,9 @@ ALONE = AsrOptions(context_pause_ms=0)  # the default: every final's pass hears 
 
 
 def caption_stream_options(**changes) -> AsrOptions:
-    """What the gateway asks of the asr for a caption stream (services/gateway `caption_stream`): speech cut at
-    `caption_max_utterance_s`, going on from the speech before a pause, heard at 0.3 and 6 dB louder."""
+    """What the gateway asks of the asr for a caption stream (the gateway's `_asr_stream`, made options by the asr
+    stage's `_stream_options`): speech cut at `caption_max_utterance_s`, going on from the speech before a
+    pause, heard at 0.3 and 6 dB louder."""
     from pipeline.asr import with_speech_threshold, with_vad_gain
     from services.settings import Settings
 
@@ -435,6 +436,13 @@ def caption_stream_options(**changes) -> AsrOptions:
     options = replace(AsrOptions(), context_pause_ms=settings.caption_context_pause_ms,
                       max_utterance_s=settings.caption_max_utterance_s, **changes)
     return with_vad_gain(with_speech_threshold(options, settings.caption_vad_threshold), settings.caption_vad_gain_db)
+
+
+def cut_at_cap(utterance: Utterance, following: Utterance | None, options: AsrOptions) -> bool:
+    """Whether `utterance` was cut at the cap: the speech `following` it began sooner after it than the
+    `end_of_speech_silence_ms` that closes speech with a pause."""
+    return following is not None and (following.speech_start_s - utterance.speech_end_s
+                                      < options.end_of_speech_silence_ms / 1000)
 
 
 def own_pass_words(transcriber: Transcriber, final: FinalTranscript, options: AsrOptions) -> list[str]:
@@ -641,9 +649,7 @@ def test_speech_without_a_pause_is_cut_between_words_at_the_streams_cap(transcri
     assert max(f.utterance.speech_end_s - f.utterance.speech_start_s for f in uncut) > 20  # the long one
     lengths = [f.utterance.speech_end_s - f.utterance.speech_start_s for f in said]
     assert len(said) > len(uncut) and max(lengths) <= 6.0 + 0.1, lengths
-    pause_s = options.end_of_speech_silence_ms / 1000  # speech closed with no such pause after it was cut
-    cut = [k for k, (a, b) in enumerate(itertools.pairwise(said))
-           if b.utterance.speech_start_s - a.utterance.speech_end_s < pause_s]
+    cut = [k for k, (a, b) in enumerate(itertools.pairwise(said)) if cut_at_cap(a.utterance, b.utterance, options)]
     assert len(cut) >= 3, lengths
     for k in cut:
         heard_to_s = said[k].utterance.audio_start_s + said[k].utterance.audio.size / SAMPLE_RATE_HZ
@@ -675,10 +681,8 @@ def test_a_caption_streams_lower_threshold_still_cuts_at_a_gap_as_soon_as_it_is_
     closed, step = [], 640
     for i in range(0, audio.size, step):
         closed += [(u, (i + step) / SAMPLE_RATE_HZ - u.speech_end_s) for u in segmenter.feed(audio[i : i + step])]
-    pause_s = options.end_of_speech_silence_ms / 1000  # speech closed with no such pause after it was cut
     following = [u for u, _ in closed[1:]] + (segmenter.finish()[:1] or [None])  # the last's: still open
-    cut = [after is not None and after.speech_start_s - u.speech_end_s < pause_s
-           for (u, _), after in zip(closed, following, strict=True)]
+    cut = [cut_at_cap(u, after, options) for (u, _), after in zip(closed, following, strict=True)]
     lookahead_s = options.cut_lookahead_ms / 1000
     late = [late_s - lookahead_s * was_cut for (_, late_s), was_cut in zip(closed, cut, strict=True)]
     assert len(late) >= 4 and any(cut) and max(late) <= 0.5, late
