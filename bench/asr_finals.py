@@ -239,7 +239,7 @@ def _samples(seconds: float) -> int:
 
 def _sound_row(clip: Clip, options: AsrOptions, transcriber: Transcriber, prompt: str) -> dict:
     recognizer = StreamingRecognizer(options, transcriber)
-    recognizer.prompt = prompt
+    recognizer.expected = prompt
     finals = [e for _, e in replay(recognizer, clip.audio, 20).events if isinstance(e, FinalTranscript)]
     return {"clip": clip.name, "kind": clip.kind, "prompted": bool(prompt), "utterances": len(finals),
             "words": " | ".join(f.text for f in finals if f.words)}

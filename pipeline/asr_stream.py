@@ -32,6 +32,16 @@ less than `short_utterance_ms` (told so, it wrote a hum after a sentence as a wo
 is the final only where its words lie in the utterance's audio and reach the end of its speech
 (`went_on`); else the utterance is heard alone. Partial passes hear the open utterance alone:
 they are many, and the final may change their words anyway.
+
+Whisper's prompt comes two ways. `vocabulary` (OpenAI's transcription prompt, Riva's speech
+contexts) is every pass's prompt. `expected` (what the gateway expects while the user speaks over
+the avatar: its backchannels) is asked only where a brief utterance's pass wrote other words: a pass
+prompted with the phrases that writes only their words is heard instead (a murmured "Mm-hmm." as
+such, or as no words, not as "In a moment."); any other speech is heard as without them
+(`_heard_words`). Under a prompt of short phrases whisper tiny loops and drops words on real speech:
+"Sorry, what was that?" came out "sorry. what was that? what was that? sorry. what was not?", "Why?"
+as "y.", "Wait, what about cats?" over a reply as "What about cats? what about cats? what what about
+cats?" (tests/e2e/test_asr_stream.py).
 """
 
 from __future__ import annotations
@@ -243,7 +253,9 @@ class StreamingRecognizer:
         self.language = options.language if language is None else language
         self.segmenter = UtteranceSegmenter(options)
         self.agreement = LocalAgreement(options.agreement_n)
-        self.prompt = ""  # whisper's prompt for the passes from now on (see Transcriber.transcribe)
+        # Whisper's prompts for the passes from now on (see `_heard_words`, Transcriber.transcribe).
+        self.vocabulary = ""  # every pass's: words and names to spell as given
+        self.expected = ""  # what the speaker may say next: a brief utterance that is only these is heard so
         self._pass_index = -1  # utterance of the last pass
         self._pass_heard_s = 0.0
         self._ending: _EndingPass | None = None  # the last pass at a first silence, for the final to reuse
@@ -335,7 +347,23 @@ class StreamingRecognizer:
     def _words(self, utterance: Utterance, ended: bool) -> tuple[Word, ...]:
         """One pass over the utterance's audio as heard, less what the speaker did not say
         (`utterance_words`; while the user speaks, the words at the audio's edge stay)."""
-        transcript = self.transcriber.transcribe(utterance, self.language, self.prompt)
+        return self._heard_words(utterance, ended)
+
+    def _heard_words(self, utterance: Utterance, ended: bool, before: SpeechBefore | None = None) -> tuple[Word, ...]:
+        """The words of a pass over the utterance (going on from `before`) with the `vocabulary` as
+        prompt, less what the speaker did not say (`utterance_words`). Where that pass wrote a word
+        not among the `expected` phrases' on an utterance voiced briefly (`voiced_briefly`), a pass with
+        them as prompt too decides: its words if each is one of the phrases' (a murmur that whisper,
+        unprompted, writes as words: "In a moment." for "Mm-hmm."; none, for a hum), else the first's."""
+        words = self._pass_words(utterance, ended, self.vocabulary, before)
+        if not self.expected or _only_words_of(words, self.expected) or not voiced_briefly(utterance, self.options):
+            return words
+        prompted = self._pass_words(utterance, ended, f"{self.vocabulary} {self.expected}".strip(), before)
+        return prompted if _only_words_of(prompted, self.expected) else words
+
+    def _pass_words(self, utterance: Utterance, ended: bool, prompt: str,
+                    before: SpeechBefore | None) -> tuple[Word, ...]:
+        transcript = self.transcriber.transcribe(utterance, self.language, prompt, before)
         return utterance_words(transcript, utterance, self.options, ended)
 
     def _final_words(self, utterance: Utterance) -> tuple[tuple[Word, ...], SpeechBefore | None]:
@@ -344,8 +372,7 @@ class StreamingRecognizer:
         go on from the words before through the utterance's speech: `went_on`)."""
         before = self._before(utterance)
         if before is not None:
-            transcript = self.transcriber.transcribe(utterance, self.language, self.prompt, before)
-            words = utterance_words(transcript, utterance, self.options)
+            words = self._heard_words(utterance, True, before)
             after_s = before.words[-1].end_s if _rest_of_cut(self._said, utterance) else None
             if went_on(words, utterance, self.options, after_s):
                 return words, before
@@ -457,6 +484,12 @@ def went_on(words: Sequence[Word], utterance: Utterance, options: AsrOptions, af
     if after_s is not None:
         earliest_s = min(earliest_s, after_s - TIME_SLACK_S)
     return words[0].start_s >= earliest_s and words[-1].end_s >= utterance.speech_end_s - STOPPED_SHORT_S
+
+
+def _only_words_of(words: Sequence[Word], phrases: str) -> bool:
+    """Every word is one of the phrases' words (as `norm_word` compares them)."""
+    allowed = {norm_word(w) for w in phrases.split()}
+    return all(norm_word(w.text) in allowed for w in words)
 
 
 def _rest_of_cut(said: Sequence[FinalTranscript], utterance: Utterance) -> bool:

@@ -217,8 +217,8 @@ async def transcriptions(request: web.Request) -> web.StreamResponse:
     async with _uploaded_audio(upload) as audio, _request_session(context) as session_id:
         call = context.gateway.stubs.asr.Transcribe()
         accepted = asyncio.Event()
-        sender = asyncio.create_task(_send_audio(call, _record_config(context.settings, session_id, asked), asked,
-                                                 audio, accepted))
+        sender = asyncio.create_task(_send_audio(call, _record_config(context.settings, session_id, asked), audio,
+                                                 accepted))
         sender.add_done_callback(lambda task: task.cancelled() or task.exception() is None or call.cancel())
         try:
             events = call.__aiter__()
@@ -321,17 +321,14 @@ def _record_config(settings, session_id: str, asked: shapes.TranscriptionRequest
                                sample_width_bytes=2)
     return asr_pb.StreamConfig(session_id=session_id, format=pcm16, language=asked.language,
                                vad_threshold=settings.caption_vad_threshold, vad_gain_db=settings.caption_vad_gain_db,
-                               context_pause_ms=settings.caption_context_pause_ms)
+                               context_pause_ms=settings.caption_context_pause_ms, prompt=asked.prompt.strip())
 
 
-async def _send_audio(call: Any, config: asr_pb.StreamConfig, asked: shapes.TranscriptionRequest,
-                      audio: UploadedAudio, accepted: asyncio.Event) -> float:
-    """The config, the prompt, then, once the asr has `accepted` the config, the decoded audio as 16 kHz PCM,
+async def _send_audio(call: Any, config: asr_pb.StreamConfig, audio: UploadedAudio, accepted: asyncio.Event) -> float:
+    """The config, then, once the asr has `accepted` the config, the decoded audio as 16 kHz PCM,
     unpaced; its duration in seconds. Audio written after a refusal would race the asr's status: grpc's core
     can end such a call INTERNAL ("Failed execute_batch") instead of with the refusal."""
     await call.write(asr_pb.TranscribeRequest(config=config))
-    if asked.prompt.strip():
-        await call.write(asr_pb.TranscribeRequest(context=asr_pb.Context(expected_phrases=[asked.prompt])))
     await accepted.wait()
     samples = 0
     piece = int(AUDIO_PIECE_S * SAMPLE_RATE_HZ)

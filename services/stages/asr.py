@@ -92,6 +92,7 @@ class AsrServicer(pb_grpc.AsrServicer):
             logs.bind(session_id=config.session_id)
             await self.sessions.require(config.session_id)
             events = self.recognize(config.format, config.language, _client_audio(request_iterator, clock),
+                                    phrases=(config.prompt,) if config.prompt.strip() else (),
                                     max_utterance_s=config.max_utterance_s, context_pause_ms=config.context_pause_ms,
                                     vad_threshold=config.vad_threshold, vad_gain_db=config.vad_gain_db)
             yield pb.TranscriptEvent(kind=Kind.READY, emitted_unix_ms=now_ms())
@@ -103,15 +104,16 @@ class AsrServicer(pb_grpc.AsrServicer):
                   context_pause_ms: int = 0, vad_threshold: float = 0.0,
                   vad_gain_db: float = 0.0) -> AsyncIterator[AsrEvent]:
         """One stream's recognition, what every surface of the asr service runs (Transcribe, Riva's
-        StreamingRecognize and Recognize): `audio` yields the stream's bytes, and a str for a new
-        prompt (`prompt_of`); `phrases`: the first prompt's; the rest, what the stream asks of its
+        StreamingRecognize and Recognize): `audio` yields the stream's bytes, and a str for new
+        expected phrases (`prompt_of`, the recognizer's `expected`); `phrases`: the stream's vocabulary
+        (every pass's prompt); the rest, what the stream asks of its
         `AsrOptions` (`_stream_options`). Checked here, before any audio is read (ValueError,
         AudioFormatError)."""
         decoder = WireAudioDecoder(fmt)
         checked = self.transcriber.check_language(language) if language else None
         options = self._stream_options(max_utterance_s, context_pause_ms, vad_threshold, vad_gain_db)
         recognizer = StreamingRecognizer(options, self.transcriber, checked, self.cadence)
-        recognizer.prompt = prompt_of_phrases(phrases)
+        recognizer.vocabulary = prompt_of_phrases(phrases)
         return self._recognize(recognizer, decoder, audio)
 
     def _stream_options(self, max_utterance_s: float, context_pause_ms: int, vad_threshold: float,
@@ -146,7 +148,7 @@ class AsrServicer(pb_grpc.AsrServicer):
             while not ended:
                 samples, prompt, ended = await _take_all(chunks)
                 if prompt is not None:
-                    recognizer.prompt = prompt
+                    recognizer.expected = prompt
                 for event in await self._hear(recognizer, decoder.feed(samples)):
                     yield event
             events = await self._hear(recognizer, decoder.finish())
@@ -166,7 +168,7 @@ class AsrServicer(pb_grpc.AsrServicer):
 
 
 async def _client_audio(request_iterator, clock: StageClock) -> AsyncIterator[bytes | str]:
-    """A Transcribe stream's audio, and its contexts as whisper's prompt."""
+    """A Transcribe stream's audio, and its contexts' expected phrases as whisper's prompt."""
     async for request in request_iterator:
         kind = request.WhichOneof("payload")
         if kind == "context":
@@ -199,7 +201,7 @@ def prompt_of(context: pb.Context) -> str:
 
 
 async def _take_all(chunks: asyncio.Queue) -> tuple[bytes, str | None, bool]:
-    """Everything queued (waiting for at least one item): the audio, the last prompt sent with it
+    """Everything queued (waiting for at least one item): the audio, the last expected phrases sent with it
     (None: unchanged), and True once the client's stream ended."""
     items = [await chunks.get()]
     while not chunks.empty():

@@ -803,7 +803,7 @@ def words_for(sounds: dict[str, np.ndarray], transcriber: Transcriber, prompt: s
     for name, sound in sounds.items():
         audio = np.concatenate([np.zeros(SAMPLE_RATE_HZ // 2, np.float32), sound, np.zeros(SAMPLE_RATE_HZ, np.float32)])
         recognizer = StreamingRecognizer(AsrOptions(), transcriber)
-        recognizer.prompt = prompt
+        recognizer.expected = prompt
         events = stream(recognizer, audio, chunk_s=0.02)
         utterances += len(finals(events))
         said += [(name, f.text) for f in finals(events) if f.words]
@@ -854,6 +854,30 @@ def test_short_real_words_keep_their_words(speech, espeak, transcriber, prompt):
     for make in (speech, espeak):
         for word in ("Stop.", "Yes.", "Wait.", "Hold on."):
             recognizer = StreamingRecognizer(AsrOptions(), transcriber)
-            recognizer.prompt = prompt_of_phrases(DEFAULT_BACKCHANNELS) if prompt else ""
+            recognizer.expected = prompt_of_phrases(DEFAULT_BACKCHANNELS) if prompt else ""
             said = finals(stream(recognizer, make(word), chunk_s=0.02))
             assert normalised_text(word) in normalised_text(" ".join(f.text for f in said)), (word, said)
+
+
+@pytest.mark.parametrize("voice", ["piper", "espeak"])
+def test_speech_over_the_avatar_is_heard_as_without_the_expected_phrases(voice, speech, espeak, transcriber):
+    """While the user speaks over the avatar the gateway expects its backchannels (the recognizer's
+    `expected`); speech that is not one of them comes out as the passes without them write it, word for
+    word. Prompted with them, whisper tiny looped and dropped words: "Wait, what about cats?" over a reply
+    came out "What about cats? what about cats? what what about cats?" (`specvox client`, Piper), "Actually,
+    never mind." "actually. never mind. never mind. nevermind.", "Why?" "y.", and on espeak-ng "Sorry, what
+    was that?" "sorry. what was that? what was that? sorry. what was not?"."""
+    from pipeline.asr import prompt_of_phrases
+    from pipeline.turn_taking import DEFAULT_BACKCHANNELS
+
+    make = speech if voice == "piper" else espeak
+    for text in ("Actually, never mind.", "Why?", "Sorry, what was that?", "Stop, how many legs does a spider have?",
+                 "Yeah, but what about the moon?"):
+        audio = make(text)
+        said = {}
+        for expected in ("", prompt_of_phrases(DEFAULT_BACKCHANNELS)):
+            recognizer = StreamingRecognizer(AsrOptions(), transcriber)
+            recognizer.expected = expected
+            said[expected] = [f.text for f in finals(stream(recognizer, audio, chunk_s=0.02))]
+        alone, expecting = said.values()
+        assert expecting == alone and any(alone), (text, expecting, alone)

@@ -203,6 +203,16 @@ async def test_word_times_alone_when_only_words_are_asked_and_a_raw_form_field_i
     assert body["words"] and "segments" not in body
 
 
+async def test_a_transcription_prompt_spells_names_as_given(client, speech, tmp_path):
+    """OpenAI's `prompt` is whisper's prompt on every pass (asr's `StreamConfig.prompt`), whatever else is
+    said: whisper tiny writes the Piper voice's "specvox" as "spec box" unprompted."""
+    path = write_wav(tmp_path / "name.wav", speech("I run specvox on my laptop."), 16_000)
+    plain = await client.audio.transcriptions.create(model="whisper-1", file=path)
+    prompted = await client.audio.transcriptions.create(model="whisper-1", file=path, prompt="Specvox")
+    assert "specvox" not in normalised_text(plain.text).split()
+    assert normalised_text(prompted.text) == "i run specvox on my laptop"
+
+
 async def test_a_transcription_as_text_srt_vtt_and_a_stream(client, spoken):
     text = await client.audio.transcriptions.create(model="whisper-1", file=spoken, response_format="text")
     subtitles = list(srt.parse(await client.audio.transcriptions.create(model="whisper-1", file=spoken,
