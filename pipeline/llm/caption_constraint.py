@@ -138,8 +138,9 @@ class Form:
 
     start: int  # the span of transcript units it stands for
     end: int
-    words: tuple[str, ...] = ()  # word keys, each written in any casing, apostrophes free inside it
+    words: tuple[str, ...] = ()  # the words as cased here, apostrophes free inside them
     literal: str = ""  # written exactly ("$25", "3:30", "21st"), a word of its own
+    at_start: bool | None = None  # written so only at a sentence's start (True), only inside one (False)
 
     @property
     def dropped(self) -> bool:
@@ -159,17 +160,18 @@ class TranscriptLattice:
         tokens = transcript_tokens(transcript)
         units = [word_key(t) for t in tokens]  # a number stays one unit, written as digits or in words
         lattice = cls(units, [[] for _ in range(len(units) + 1)])
+        starts = {0} | {i for i, text in enumerate(_between_tokens(transcript), 1) if SENTENCE & set(text)}
         for i, token in enumerate(tokens):
             if token[0].isdigit() or token[0] in CURRENCY_SIGNS:
                 lattice.forms[i] += [Form(i, i + 1, literal=token),
-                                     *(Form(i, i + 1, words) for said in _number_sayings(token)
-                                       for words in _casings(tuple(said)))]
+                                     *(form for said in _number_sayings(token)
+                                       for form in _cased(i, i + 1, tuple(said), False))]
                 if token[0].isdigit() and not token.endswith("%"):  # "25,000 dollars" -> "$25,000"
                     lattice.forms[i] += [Form(i, stop, literal=text) for text, stop in _with_units(token, units, i + 1)
                                          if stop > i + 1]
             else:  # the word as the transcript spells it: its apostrophes may stay or go, but come nowhere else
                 spelled = token.replace("\u2019", "'")
-                lattice.forms[i] += [Form(i, i + 1, words) for words in _casings((spelled,))]
+                lattice.forms[i] += _cased(i, i + 1, (spelled,), i in starts)
         lattice._add_numbers()
         lattice._add_drops([f.split() for f in fillers])
         return lattice
@@ -204,14 +206,25 @@ class TranscriptLattice:
                 self.forms[i].append(Form(i, i + 1))
 
 
-def _casings(words: tuple[str, ...]) -> list[tuple[str, ...]]:
-    """The casings a caption may give words: as the transcript wrote them (its acronyms, its names), lower
-    case, a capital first letter (a sentence's start). Not letter by letter ("aboVe" is no word's casing),
-    and no capitals the transcript did not write: captions use case for sentences and names, not emphasis,
-    and a small model shouted whole captions ("DIFFERENT WORDS: That, I, did, not, say")."""
-    lower = tuple(w.lower() for w in words)
-    capital = (lower[0][:1].upper() + lower[0][1:], *lower[1:])
-    return list(dict.fromkeys([words, lower, capital]))
+# Words written with a capital wherever they stand.
+ALWAYS_CAPITAL = frozenset({"i", "i'm", "i've", "i'll", "i'd"})
+
+
+def _cased(start: int, end: int, words: tuple[str, ...], sentence_start: bool) -> list[Form]:
+    """The forms of words as a caption cases them: a capital first letter at a sentence's start, and inside
+    one the transcript's capitals where they are its own (names, acronyms, "I"), not those of a sentence it
+    began there ("Chicago. Oh I'm" may become "Chicago, oh, I'm"), else lower case. Not letter by letter
+    ("aboVe" is no word's casing), and no capitals elsewhere: a small model wrote title case mid-sentence
+    ("Really good performances. Against Top, Teams That, Have Ended") and shouted whole captions
+    ("DIFFERENT WORDS: That, I, did, not, say")."""
+    first = words[0]
+    own = (any(c.isupper() for w in words for c in w[1:]) or any(w[:1].isupper() for w in words[1:])
+           or first.lower() in ALWAYS_CAPITAL or first[:1].isupper() and not sentence_start)
+    inside = words if own else tuple(w.lower() for w in words)
+    at_start = (inside[0][:1].upper() + inside[0][1:], *inside[1:])
+    if at_start == inside:
+        return [Form(start, end, inside)]
+    return [Form(start, end, inside, at_start=False), Form(start, end, at_start, at_start=True)]
 
 
 def _number_sayings(token: str) -> list[list[str]]:
@@ -301,19 +314,24 @@ SEPARATORS = CLAUSE | SENTENCE | CLOSERS | OPENERS | DASHES | {" "}
 # the space, after an opening quote, after a spaced dash, after the space that follows it, after a joining hyphen,
 # after a clause mark (which no other mark follows but a closing quote: not ",!" or ",,")
 START, CLOSE, PUNCT, QUOTE, SPACE, OPEN, DASH, AFTER_DASH, JOIN, CLAUSED = range(10)
-# A clause of one word that a mark of the caption's own began (",;:" or ".?!…") may not end in another such mark
-# but at the caption's end: the model otherwise put a comma after every word ("But, as, the, writer, should, by,
-# time, …"), a verify pass each, 34 passes and 1.6 s for a 15-word caption live, and barred from commas, periods
-# ("Beauty's rose. Might. Never. Die."). A mark the transcript has at that place is always allowed.
+# A clause of fewer than MIN_OWN_CLAUSE_WORDS words that a mark of the caption's own began (",;:" or ".?!…") may
+# not end in another such mark but at the caption's end: the model otherwise put a comma after every word ("But,
+# as, the, writer, should, by, time, …"), a verify pass each, 34 passes and 1.6 s for a 15-word caption live;
+# barred from that, a period after every other word ("Unless, to be. Rather cold-hearted, and rather selfish. Is
+# to be.", "Really good performances. Against top. Teams that"). A mark the transcript has there is always
+# allowed (whisper writes the commas of a spoken aside itself: "It was, in fact, great.").
+MIN_OWN_CLAUSE_WORDS = 3
 ENDS = (CLOSE, PUNCT, QUOTE, CLAUSED)  # where the caption may end, once every word is written
 
 # A state is one of:
-#   ("gap", unit, phase, marks written, lone, opened): between words, `unit` the next one to write; `lone`: the
-#     word before it is all of a clause a mark of the caption's own began; `opened`: this gap wrote one;
-#   ("word", unit, form, word, characters written, opened): inside word `word` of one of unit's forms, `opened`
-#     the gap's it began after;
-#   ("inner", unit, form, word, opened): between two words of one form ("twenty five", "twenty-five");
-#   ("literal", unit, form, bytes written, opened): inside a number written as digits ("$25");
+#   ("gap", unit, phase, marks written, run, opened, sentence): between words, `unit` the next one to write;
+#     `run`: the words so far of a clause a mark of the caption's own began (MIN_OWN_CLAUSE_WORDS: enough, or
+#     another clause); `opened`: this gap wrote such a mark; `sentence`: the next word begins a sentence (the
+#     caption's start, or this gap wrote a sentence mark);
+#   ("word", unit, form, word, characters written, run): inside word `word` of one of unit's forms, `run` the
+#     words of its clause before it;
+#   ("inner", unit, form, word, run): between two words of one form ("twenty five", "twenty-five");
+#   ("literal", unit, form, bytes written, run): inside a number written as digits ("$25");
 #   ("bytes", the rest of a character's bytes, the state once they are read): inside a character.
 State = tuple
 
@@ -337,7 +355,7 @@ class CaptionAutomaton:
         self._next: dict[frozenset[State], dict[int, frozenset[State]]] = {}
 
     def start(self) -> frozenset[State]:
-        return self._closure([("gap", 0, START, 0, False, False)])
+        return self._closure([("gap", 0, START, 0, MIN_OWN_CLAUSE_WORDS, False, True)])
 
     def accepts(self, states: frozenset[State]) -> bool:
         """The caption may end here: every unit written (or dropped), after a word or its closing marks."""
@@ -372,31 +390,34 @@ class CaptionAutomaton:
         if kind == "gap":
             return self._gap_moves(*state[1:])
         if kind == "inner":
-            _, unit, f, w, opened = state
-            return [(c, ("word", unit, f, w, 0, opened)) for c in " -"]
+            _, unit, f, w, run = state
+            return [(c, ("word", unit, f, w, 0, run)) for c in " -"]
         if kind == "literal":
-            _, unit, f, got, opened = state
+            _, unit, f, got, run = state
             literal = self.lattice.forms[unit][f].literal
-            return [(literal[got], ("literal", unit, f, got + 1, opened))] if got < len(literal) else []
-        _, unit, f, w, c, opened = state
+            return [(literal[got], ("literal", unit, f, got + 1, run))] if got < len(literal) else []
+        _, unit, f, w, c, run = state
         word = self.lattice.forms[unit][f].words[w]
         if c >= len(word):
             return []
         chars = "'\u2019" if word[c] == "'" else word[c]
-        return [(ch, ("word", unit, f, w, c + 1, opened)) for ch in chars]
+        return [(ch, ("word", unit, f, w, c + 1, run)) for ch in chars]
 
-    def _gap_moves(self, unit: int, phase: int, marks: int, lone: bool, opened: bool) -> list[tuple[str, State]]:
-        """Punctuation in prose's order (see SEPARATORS) and a word's first character; past the last word,
-        closing marks only. No state is a dead end: from each, some caption goes on to its end."""
+    def _gap_moves(self, unit: int, phase: int, marks: int, run: int, opened: bool,
+                   sentence: bool) -> list[tuple[str, State]]:
+        """Punctuation in prose's order (see SEPARATORS) and a word's first character, cased as it stands (at a
+        sentence's start, inside one, or either after an opening quote); past the last word, closing marks only.
+        No state is a dead end: from each, some caption goes on to its end."""
         moves: list[tuple[str, State]] = []
         room = marks < MAX_MARKS
 
-        def gap(next_phase: int, added: int = 1, opens: bool = opened) -> State:
-            return ("gap", unit, next_phase, marks + added, lone, opens)
+        def gap(next_phase: int, added: int = 1, opens: bool = opened, ends: bool = sentence) -> State:
+            return ("gap", unit, next_phase, marks + added, run, opens, ends)
 
         own = unit not in self.marked
-        if room and phase in (CLOSE, PUNCT, QUOTE) and not (lone and own and unit < self.end):
-            moves += [(c, gap(PUNCT, opens=opened or own)) for c in SENTENCE]  # "?!", "..."
+        short = run < MIN_OWN_CLAUSE_WORDS
+        if room and phase in (CLOSE, PUNCT, QUOTE) and not (short and own and unit < self.end):
+            moves += [(c, gap(PUNCT, opens=opened or own, ends=True)) for c in SENTENCE]  # "?!", "..."
             if phase != PUNCT:
                 moves += [(c, gap(CLAUSED, opens=own)) for c in CLAUSE]
         if room and phase in (CLOSE, PUNCT, CLAUSED):
@@ -410,15 +431,19 @@ class CaptionAutomaton:
         if phase == DASH:
             moves.append((" ", gap(AFTER_DASH, 0)))
         if room and phase in (START, SPACE, AFTER_DASH):
-            moves += [(c, gap(OPEN)) for c in self.openers]
+            moves += [(c, gap(OPEN, opens=False)) for c in self.openers]  # a quote begins a clause of its own
         if room and phase == SPACE:
             moves += [(c, gap(DASH)) for c in self.dashes]
         if phase in (START, SPACE, OPEN, AFTER_DASH, JOIN):  # a word starts
+            # its clause: one of the caption's own marks began, one of the transcript's marks began, or goes on
+            clause = 0 if opened else MIN_OWN_CLAUSE_WORDS if marks else run
             for f, form in enumerate(self.lattice.forms[unit]):
+                if form.at_start is not None and form.at_start != sentence and phase != OPEN:
+                    continue
                 if form.literal:
-                    moves.append((form.literal[0], ("literal", unit, f, 1, opened)))
+                    moves.append((form.literal[0], ("literal", unit, f, 1, clause)))
                 elif form.words:
-                    moves += self._moves(("word", unit, f, 0, 0, opened))
+                    moves += self._moves(("word", unit, f, 0, 0, clause))
         return moves
 
     def _closure(self, states: Iterable[State]) -> frozenset[State]:
@@ -435,25 +460,23 @@ class CaptionAutomaton:
                 todo.append(state[2])
                 continue
             if kind == "word":
-                _, unit, f, w, c, opened = state
+                _, unit, f, w, c, run = state
                 form = self.lattice.forms[unit][f]
                 word = form.words[w]
                 if c < len(word) and word[c] == "'":
-                    todo.append(("word", unit, f, w, c + 1, opened))
+                    todo.append(("word", unit, f, w, c + 1, run))
                 if c == len(word):
-                    todo.append(("inner", unit, f, w + 1, opened) if w + 1 < len(form.words)
-                                else ("gap", form.end, CLOSE, 0, opened, False))
+                    todo.append(("inner", unit, f, w + 1, run) if w + 1 < len(form.words)
+                                else ("gap", form.end, CLOSE, 0, min(run + 1, MIN_OWN_CLAUSE_WORDS), False, False))
                     continue
             elif kind == "literal":
-                _, unit, f, got, opened = state
+                _, unit, f, got, run = state
                 form = self.lattice.forms[unit][f]
                 if got == len(form.literal):
-                    todo.append(("gap", form.end, CLOSE, 0, opened, False))
+                    todo.append(("gap", form.end, CLOSE, 0, min(run + 1, MIN_OWN_CLAUSE_WORDS), False, False))
                     continue
             elif kind == "gap" and state[1] < self.end:
-                _, unit, phase, marks, lone, opened = state
-                todo += [("gap", form.end, phase, marks, lone, opened) for form in self.lattice.forms[unit]
-                         if form.dropped]
+                todo += [("gap", form.end, *state[2:]) for form in self.lattice.forms[state[1]] if form.dropped]
             out.add(state)
         return frozenset(out)
 

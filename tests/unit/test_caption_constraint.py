@@ -91,7 +91,7 @@ def test_a_word_added_changed_or_moved_is_refused(transcript: str, word: str, at
     ("it costs twenty five dollars", "It costs $25."),
     ("it costs twenty five dollars", "It costs 25 dollars."),
     ("it costs $25", "It costs twenty-five dollars!"),
-    ("it costs $25", "it costs twenty five dollars"),
+    ("it costs $25", "It costs twenty five dollars"),
     ("we grew twenty five percent", "We grew 25%."),
     ("the twenty first of May", "The 21st of May."),
     ("born in nineteen eighty four", "Born in 1984."),
@@ -109,10 +109,17 @@ def test_a_word_added_changed_or_moved_is_refused(transcript: str, word: str, at
     ("it's twenty-five", "It's 25."),
     ("it's twenty-five", "It's twenty-five."),
     ("but as the riper should", "But, as the riper should."),  # a one-word clause of the caption's own
-    ("unless to be rather cold", "Unless, to be, rather cold."),
     ("yes, no, maybe so", "Yes, no, maybe, so."),  # the transcript's own commas after one-word clauses
     ("yes. no. maybe so", "Yes. No. Maybe, so."),
+    ("it was, in fact, great", "It was, in fact, great."),
+    ("unless to be rather cold", "Unless, to be rather cold."),
     ("thank you bye", "Thank you. Bye."),  # a one-word sentence at the caption's end
+    # a capital where a sentence starts, and inside one the transcript's own (names, "I"), not those of its
+    # sentence starts
+    ("originally from Chicago. Oh I'm in New Jersey", "Originally from Chicago, oh, I'm in New Jersey."),
+    ("hello there", "Hello. There."),
+    ('hello "there"', 'Hello, "There."'),  # quoted speech may begin with a capital
+    ('hello "there"', 'Hello, "there."'),
     ("", ""),
 ])
 def test_allowed_edits_are_accepted(transcript: str, caption: str) -> None:
@@ -140,6 +147,12 @@ def test_allowed_edits_are_accepted(transcript: str, caption: str) -> None:
     ("that beauty's rose", "That 'beauty's rose."),  # an apostrophe inside a word is no quote
     ("hello there", "Hello — there."),
     ("Paris is big", "PARIS IS BIG."),  # capitals the transcript did not write
+    ("really good performances against top teams", "Really good performances. Against Top, Teams."),
+    ("it costs $25", "it costs $25."),  # a sentence's first word in lower case
+    ("thank you bye", "Thank you. bye."),
+    ("so I think", "So i think."),  # "I" in lower case
+    ("we met John there", "We met john there."),  # a name the transcript wrote inside a sentence
+    ("Hello there", "hello there."),
     ("to be rather cold", "To-be-rather-cold."),  # a hyphen where the transcript has none
     ("to be cold-hearted", "To be cold-hearted-."),
     ("write a poem about the sea", "Write a poem about the sea,!"),  # no mark after a clause mark
@@ -148,6 +161,9 @@ def test_allowed_edits_are_accepted(transcript: str, caption: str) -> None:
     ("but as the riper should by time decease", "But, as, the, riper, should, by, time, decease."),
     ("but as the riper should", "But, as, the riper should."),
     ("unless to be rather cold", "Unless, to be, rather, cold."),
+    ("unless to be rather cold", "Unless, to be, rather cold."),  # nor one of two words
+    ("really good performances against top teams that", "Really good performances. Against top. Teams that."),
+    ("it was in fact great", "It was, in fact, great."),  # where whisper wrote no commas
     ("and write a poem", "And, write; a poem."),
     ("that thereby beauty's rose might never die", "That, thereby. Beauty's rose. Might. Never. Die."),
     ("and write a poem", "And. Write, a poem."),
