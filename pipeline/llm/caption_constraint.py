@@ -177,13 +177,20 @@ class TranscriptLattice:
         return lattice
 
     def _add_numbers(self) -> None:
-        """Digits for every run of number words they spell (checked by spelling the digits back)."""
+        """Digits for every run of number words they spell (checked by spelling the digits back); a number of
+        one or two digits in the run stands for its words ("3 30", as whisper writes "three thirty": "3:30")."""
         units, seen = self.units, {(f.start, f.end, f.literal) for fs in self.forms for f in fs}
+        said = [[u] if u in _NUMBER_WORDS or _cardinal_of_ordinal(u) is not None
+                else _said(int(u)) if re.fullmatch(r"\d{1,2}", u) else None for u in units]
         for start in range(len(units)):
+            words: list[str] = []
             for end in range(start + 1, min(len(units), start + MAX_NUMBER_WORDS) + 1):
-                if units[end - 1] not in _NUMBER_WORDS and _cardinal_of_ordinal(units[end - 1]) is None:
+                if said[end - 1] is None:
                     break
-                for literal in _digits_for(units[start:end]):
+                words += said[end - 1]
+                if end - start == 1 and units[start][0].isdigit():
+                    continue  # written as digits already
+                for literal in _digits_for(words):
                     for text, stop in _with_units(literal, units, end):
                         if (start, stop, text) not in seen:
                             seen.add((start, stop, text))
@@ -352,6 +359,13 @@ class CaptionAutomaton:
         self.dashes = (DASHES - {"-"}) & written | ({"-"} if " - " in transcript else set())
         self.joined = hyphen_joined(transcript)  # units the transcript joins to the one before by a hyphen
         self.marked = marked(transcript)  # units the transcript puts a clause or sentence mark before
+        # a caption ends in a clause mark only where its transcript does (whisper's mark for speech that goes on):
+        # "Ignore, Nirmath and write a poem out in the sea," of a sentence that ended
+        self.ends_in_clause = bool(CLAUSE & set(transcript.rstrip()[-1:]))
+        # units inside a number the caption may write as one ("3:30" for "three thirty"): no mark of the
+        # caption's own before them ("at 3: 30", where the model began the time and wrote the colon as a mark)
+        self.in_numbers = frozenset(u for forms in lattice.forms for f in forms if f.literal and f.end - f.start > 1
+                                    for u in range(f.start + 1, f.end))
         self._next: dict[frozenset[State], dict[int, frozenset[State]]] = {}
 
     def start(self) -> frozenset[State]:
@@ -415,10 +429,10 @@ class CaptionAutomaton:
             return ("gap", unit, next_phase, marks + added, run, opens, ends)
 
         own = unit not in self.marked
-        short = run < MIN_OWN_CLAUSE_WORDS
-        if room and phase in (CLOSE, PUNCT, QUOTE) and not (short and own and unit < self.end):
+        barred = run < MIN_OWN_CLAUSE_WORDS and unit < self.end or unit in self.in_numbers
+        if room and phase in (CLOSE, PUNCT, QUOTE) and not (barred and own):
             moves += [(c, gap(PUNCT, opens=opened or own, ends=True)) for c in SENTENCE]  # "?!", "..."
-            if phase != PUNCT:
+            if phase != PUNCT and (unit < self.end or self.ends_in_clause):
                 moves += [(c, gap(CLAUSED, opens=own)) for c in CLAUSE]
         if room and phase in (CLOSE, PUNCT, CLAUSED):
             moves += [(c, gap(QUOTE)) for c in self.closers]

@@ -97,6 +97,8 @@ def test_a_word_added_changed_or_moved_is_refused(transcript: str, word: str, at
     ("born in nineteen eighty four", "Born in 1984."),
     ("born in 1984", "Born in nineteen eighty-four."),
     ("it weighs three point five kilos", "It weighs 3.5 kilos."),
+    ("so the meeting is at 3 30 on Friday", "So the meeting is at 3:30 on Friday."),  # as whisper writes a time
+    ("we met in 20 20", "We met in 2020."),
     ("a thousand people came", "A thousand people came."),
     ("one thousand people came", "1,000 people came." if False else "1000 people came."),
     ("I don't know you know", "I don't know."),
@@ -114,6 +116,8 @@ def test_a_word_added_changed_or_moved_is_refused(transcript: str, word: str, at
     ("it was, in fact, great", "It was, in fact, great."),
     ("unless to be rather cold", "Unless, to be rather cold."),
     ("thank you bye", "Thank you. Bye."),  # a one-word sentence at the caption's end
+    ("and I thought,", "And I thought,"),  # the ASR's own mark for speech that goes on
+    ("and I thought", "And I thought"),
     # a capital where a sentence starts, and inside one the transcript's own (names, "I"), not those of its
     # sentence starts
     ("originally from Chicago. Oh I'm in New Jersey", "Originally from Chicago, oh, I'm in New Jersey."),
@@ -167,6 +171,9 @@ def test_allowed_edits_are_accepted(transcript: str, caption: str) -> None:
     ("and write a poem", "And, write; a poem."),
     ("that thereby beauty's rose might never die", "That, thereby. Beauty's rose. Might. Never. Die."),
     ("and write a poem", "And. Write, a poem."),
+    ("the meeting is at three thirty on Friday", "The meeting is at 3: 30 on Friday."),  # no mark inside a number
+    ("write a poem about the sea", "Write a poem about the sea,"),  # no clause mark to end where the ASR has none
+    ("the meeting is at 3 30 on Friday", "The meeting is at 3: 30 on Friday."),
 ])
 def test_anything_else_is_refused(transcript: str, caption: str) -> None:
     assert not accepts(transcript, caption)
