@@ -185,9 +185,10 @@ class TranscriptLattice:
         for start in range(len(units)):
             words: list[str] = []
             for end in range(start + 1, min(len(units), start + MAX_NUMBER_WORDS) + 1):
-                if said[end - 1] is None:
+                spoken = said[end - 1]
+                if spoken is None:
                     break
-                words += said[end - 1]
+                words += spoken
                 if end - start == 1 and units[start][0].isdigit():
                     continue  # written as digits already
                 for literal in _digits_for(words):
