@@ -360,9 +360,15 @@ class CaptionAutomaton:
         self.dashes = (DASHES - {"-"}) & written | ({"-"} if " - " in transcript else set())
         self.joined = hyphen_joined(transcript)  # units the transcript joins to the one before by a hyphen
         self.marked = marked(transcript)  # units the transcript puts a clause or sentence mark before
-        # a caption ends in a clause mark only where its transcript does (whisper's mark for speech that goes on):
-        # "Ignore, Nirmath and write a poem out in the sea," of a sentence that ended
-        self.ends_in_clause = bool(CLAUSE & set(transcript.rstrip()[-1:]))
+        # Where the speech goes on past the transcript, or went on into it (cut at the cap, or after a short
+        # pause), whisper, which heard on, writes no sentence mark at its end, or a lower-case first word
+        # ("… I thought you" | "know, I heard of these"): the caption begins a sentence where the transcript
+        # does, and ends in a sentence or clause mark only where the transcript ends in one (not "… different
+        # than." | "The acoustic corpus", nor "… write a poem out in the sea," of a sentence that ended).
+        spans = list(_TOKEN.finditer(transcript))
+        tail = set(transcript[spans[-1].end() :]) if spans else set()
+        self.end_marks = (SENTENCE if SENTENCE & tail else frozenset()) | (CLAUSE if CLAUSE & tail else frozenset())
+        self.begins_sentence = not (spans and spans[0].group()[0].islower())
         # units inside a number the caption may write as one ("3:30" for "three thirty"): no mark of the
         # caption's own before them ("at 3: 30", where the model began the time and wrote the colon as a mark)
         self.in_numbers = frozenset(u for forms in lattice.forms for f in forms if f.literal and f.end - f.start > 1
@@ -370,7 +376,7 @@ class CaptionAutomaton:
         self._next: dict[frozenset[State], dict[int, frozenset[State]]] = {}
 
     def start(self) -> frozenset[State]:
-        return self._closure([("gap", 0, START, 0, MIN_OWN_CLAUSE_WORDS, False, True)])
+        return self._closure([("gap", 0, START, 0, MIN_OWN_CLAUSE_WORDS, False, self.begins_sentence)])
 
     def accepts(self, states: frozenset[State]) -> bool:
         """The caption may end here: every unit written (or dropped), after a word or its closing marks."""
@@ -432,8 +438,10 @@ class CaptionAutomaton:
         own = unit not in self.marked
         barred = run < MIN_OWN_CLAUSE_WORDS and unit < self.end or unit in self.in_numbers
         if room and phase in (CLOSE, PUNCT, QUOTE) and not (barred and own):
-            moves += [(c, gap(PUNCT, opens=opened or own, ends=True)) for c in SENTENCE]  # "?!", "..."
-            if phase != PUNCT and (unit < self.end or self.ends_in_clause):
+            closing = unit == self.end
+            if not closing or SENTENCE & self.end_marks:
+                moves += [(c, gap(PUNCT, opens=opened or own, ends=True)) for c in SENTENCE]  # "?!", "..."
+            if phase != PUNCT and (not closing or CLAUSE & self.end_marks):
                 moves += [(c, gap(CLAUSED, opens=own)) for c in CLAUSE]
         if room and phase in (CLOSE, PUNCT, CLAUSED):
             moves += [(c, gap(QUOTE)) for c in self.closers]
