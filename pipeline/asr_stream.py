@@ -38,7 +38,7 @@ contexts) is every pass's prompt. `expected` (what the gateway expects while the
 the avatar: its backchannels) is asked only where a brief utterance's pass wrote other words: a pass
 prompted with the phrases that writes only their words is heard instead (a murmured "Mm-hmm." as
 such, or as no words, not as "In a moment."); any other speech is heard as without them
-(`_heard_words`). Under a prompt of short phrases whisper tiny loops and drops words on real speech:
+(`StreamingRecognizer._words`). Under a prompt of short phrases whisper tiny loops and drops words on real speech:
 "Sorry, what was that?" came out "sorry. what was that? what was that? sorry. what was not?", "Why?"
 as "y.", "Wait, what about cats?" over a reply as "What about cats? what about cats? what what about
 cats?" (tests/e2e/test_asr_stream.py).
@@ -253,7 +253,7 @@ class StreamingRecognizer:
         self.language = options.language if language is None else language
         self.segmenter = UtteranceSegmenter(options)
         self.agreement = LocalAgreement(options.agreement_n)
-        # Whisper's prompts for the passes from now on (see `_heard_words`, Transcriber.transcribe).
+        # Whisper's prompts for the passes from now on (see `_words`, Transcriber.transcribe).
         self.vocabulary = ""  # every pass's: words and names to spell as given
         self.expected = ""  # what the speaker may say next: a brief utterance that is only these is heard so
         self._pass_index = -1  # utterance of the last pass
@@ -344,14 +344,10 @@ class StreamingRecognizer:
         """Audio heard up to `heard_s` holds `final_reuse_margin_ms` of silence after the speech."""
         return _ms(heard_s - utterance.speech_end_s) >= self.options.final_reuse_margin_ms
 
-    def _words(self, utterance: Utterance, ended: bool) -> tuple[Word, ...]:
-        """One pass over the utterance's audio as heard, less what the speaker did not say
-        (`utterance_words`; while the user speaks, the words at the audio's edge stay)."""
-        return self._heard_words(utterance, ended)
-
-    def _heard_words(self, utterance: Utterance, ended: bool, before: SpeechBefore | None = None) -> tuple[Word, ...]:
-        """The words of a pass over the utterance (going on from `before`) with the `vocabulary` as
-        prompt, less what the speaker did not say (`utterance_words`). Where that pass wrote a word
+    def _words(self, utterance: Utterance, ended: bool, before: SpeechBefore | None = None) -> tuple[Word, ...]:
+        """The words of a pass over the utterance's audio as heard (going on from `before`) with the
+        `vocabulary` as prompt, less what the speaker did not say (`utterance_words`; while the user
+        speaks, `ended` False, the words at the audio's edge stay). Where that pass wrote a word
         not among the `expected` phrases' on an utterance voiced briefly (`voiced_briefly`), a pass with
         them as prompt too decides: its words if each is one of the phrases' (a murmur that whisper,
         unprompted, writes as words: "In a moment." for "Mm-hmm."; none, for a hum), else the first's."""
@@ -372,7 +368,7 @@ class StreamingRecognizer:
         go on from the words before through the utterance's speech: `went_on`)."""
         before = self._before(utterance)
         if before is not None:
-            words = self._heard_words(utterance, True, before)
+            words = self._words(utterance, True, before)
             after_s = before.words[-1].end_s if _rest_of_cut(self._said, utterance) else None
             if went_on(words, utterance, self.options, after_s):
                 return words, before

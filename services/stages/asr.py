@@ -113,7 +113,10 @@ class AsrServicer(pb_grpc.AsrServicer):
         checked = self.transcriber.check_language(language) if language else None
         options = self._stream_options(max_utterance_s, context_pause_ms, vad_threshold, vad_gain_db)
         recognizer = StreamingRecognizer(options, self.transcriber, checked, self.cadence)
-        recognizer.vocabulary = prompt_of_phrases(phrases)
+        try:
+            recognizer.vocabulary = prompt_of_phrases(phrases)
+        except ValueError as e:
+            raise ValueError(f"the stream's prompt (StreamConfig.prompt, or Riva's speech contexts): {e}") from None
         return self._recognize(recognizer, decoder, audio)
 
     def _stream_options(self, max_utterance_s: float, context_pause_ms: int, vad_threshold: float,

@@ -148,7 +148,7 @@ async def test_each_service_is_healthy_and_reflects_its_api(channels, service):
 def pcm_config(session: str, width: int = 2, encoding=common.AudioFormat.PCM_S16LE, rate: int = 16_000,
                language: str = "", **asked):
     """The config of a stream of 16-bit PCM; `asked`: StreamConfig's max_utterance_s, context_pause_ms,
-    vad_threshold, vad_gain_db."""
+    vad_threshold, vad_gain_db, prompt."""
     fmt = common.AudioFormat(encoding=encoding, sample_rate_hz=rate, channels=1, sample_width_bytes=width)
     return asr.TranscribeRequest(config=asr.StreamConfig(session_id=session, language=language, format=fmt,
                                                          **asked))
@@ -179,6 +179,8 @@ async def test_asr_rejects_bad_input_then_transcribes(channels, session_id, spee
          [pcm_config(session_id), asr.TranscribeRequest(audio=FIFTY_MB)]),
         (grpc.StatusCode.INVALID_ARGUMENT, "context.expected_phrases",
          [pcm_config(session_id), asr.TranscribeRequest(context=asr.Context(expected_phrases=["okay"] * 200))]),
+        (grpc.StatusCode.INVALID_ARGUMENT, "StreamConfig.prompt",
+         [pcm_config(session_id, prompt="word " * 100), audio]),
     ]
     for code, fragment, requests in bad:
         await expect_stream_status(code, fragment, stub.Transcribe(), requests)
