@@ -816,9 +816,9 @@ class TranscriptDrafter:
             elif kind == "gap" and state[2] == CLOSE and unit > 0:  # just after a word: the ASR's punctuation
                 text = self._after_unit(unit)
             elif kind == "gap" and state[2] in ENDS:  # after marks of the caption's own: a space, the next word
-                text = " " + self._after(unit)
+                text = " " + self._cased_after(unit, state[6])
             elif kind == "gap":
-                text = self._after(unit)
+                text = self._cased_after(unit, state[6]) if state[2] != OPEN else self._after(unit)
             else:
                 continue
             if len(text) > len(best):
@@ -828,6 +828,18 @@ class TranscriptDrafter:
     def _after(self, unit: int) -> str:
         """The transcript from unit on."""
         return "".join(self._pieces[unit:])
+
+    def _cased_after(self, unit: int, sentence: bool) -> str:
+        """The transcript from unit on, its first word cased as the caption writes it there (a sentence's start
+        or not: where the caption's marks differ from the transcript's, so may the case)."""
+        text = self._after(unit)
+        if unit >= len(self._unit_end):
+            return text
+        said = self._text[self._unit_start[unit] : self._unit_end[unit]]
+        for form in self.constraint.lattice.forms[unit]:
+            if form.words and form.at_start in (None, sentence) and len(form.words[0]) == len(said):
+                return form.words[0] + text[len(said) :] if text.startswith(said) else text
+        return text
 
     def _after_unit(self, end: int) -> str:
         """What the transcript wrote after unit end - 1: its punctuation, then the units from `end` on."""

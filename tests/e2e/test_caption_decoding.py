@@ -115,3 +115,16 @@ def test_in_the_files_weight_form_captions_say_only_what_was_said_and_drafting_c
         faults = caption_faults(transcript, text(generator, plain))
         assert faults.unsaid == [] and faults.dropped == [], (transcript, text(generator, plain))
         assert tokens(generator, caption_request(generator, transcript, "transcript")) == plain
+
+
+def test_the_transcript_drafter_cases_the_next_word_as_the_caption_must(generator):
+    """Where the caption's own mark differs from the transcript's ("Chicago," for "Chicago."), the next word's
+    case does too ("oh", not the transcript's "Oh"): the draft proposes it so, and the pass can take it."""
+    from pipeline.llm.caption_constraint import TranscriptDrafter
+
+    tokenizer = generator.loaded.tokenizer
+    transcript = "Originally from Chicago. Oh I'm in New Jersey now."
+    constraint = TokenConstraint(transcript, tokenizer, [0])
+    written = tokenizer.encode("Originally from Chicago,", add_special_tokens=False)
+    draft = TranscriptDrafter(constraint, transcript, tokenizer, 0).propose(written, 4)
+    assert tokenizer.decode(list(draft.tokens)).startswith(" oh I'm"), tokenizer.decode(list(draft.tokens))
