@@ -180,12 +180,12 @@ class TranscriptLattice:
         """Digits for every run of number words they spell (checked by spelling the digits back); a number of
         one or two digits in the run stands for its words ("3 30", as whisper writes "three thirty": "3:30")."""
         units, seen = self.units, {(f.start, f.end, f.literal) for fs in self.forms for f in fs}
-        said = [[u] if u in _NUMBER_WORDS or _cardinal_of_ordinal(u) is not None
-                else _said(int(u)) if re.fullmatch(r"\d{1,2}", u) else None for u in units]
+        spoken_as = [[u] if u in _NUMBER_WORDS or _cardinal_of_ordinal(u) is not None
+                     else _said(int(u)) if re.fullmatch(r"\d{1,2}", u) else None for u in units]
         for start in range(len(units)):
             words: list[str] = []
             for end in range(start + 1, min(len(units), start + MAX_NUMBER_WORDS) + 1):
-                spoken = said[end - 1]
+                spoken = spoken_as[end - 1]
                 if spoken is None:
                     break
                 words += spoken
@@ -489,19 +489,23 @@ class CaptionAutomaton:
                 if c < len(word) and word[c] == "'":
                     todo.append(("word", unit, f, w, c + 1, run))
                 if c == len(word):
-                    todo.append(("inner", unit, f, w + 1, run) if w + 1 < len(form.words)
-                                else ("gap", form.end, CLOSE, 0, min(run + 1, MIN_OWN_CLAUSE_WORDS), False, False))
+                    todo.append(("inner", unit, f, w + 1, run) if w + 1 < len(form.words) else _gap_after(form, run))
                     continue
             elif kind == "literal":
                 _, unit, f, got, run = state
                 form = self.lattice.forms[unit][f]
                 if got == len(form.literal):
-                    todo.append(("gap", form.end, CLOSE, 0, min(run + 1, MIN_OWN_CLAUSE_WORDS), False, False))
+                    todo.append(_gap_after(form, run))
                     continue
             elif kind == "gap" and state[1] < self.end:
                 todo += [("gap", form.end, *state[2:]) for form in self.lattice.forms[state[1]] if form.dropped]
             out.add(state)
         return frozenset(out)
+
+
+def _gap_after(form: Form, run: int) -> State:
+    """The gap just after a form is written, its clause one word longer than `run`."""
+    return ("gap", form.end, CLOSE, 0, min(run + 1, MIN_OWN_CLAUSE_WORDS), False, False)
 
 
 # -- the automaton over a tokenizer's tokens ------------------------------------------------------------------
@@ -837,7 +841,7 @@ class TranscriptDrafter:
             return text
         said = self._text[self._unit_start[unit] : self._unit_end[unit]]
         for form in self.constraint.lattice.forms[unit]:
-            if form.words and form.at_start in (None, sentence) and len(form.words[0]) == len(said):
+            if form.words and form.at_start in (None, sentence) and form.words[0].lower() == said.lower():
                 return form.words[0] + text[len(said) :] if text.startswith(said) else text
         return text
 

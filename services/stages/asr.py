@@ -92,7 +92,7 @@ class AsrServicer(pb_grpc.AsrServicer):
             logs.bind(session_id=config.session_id)
             await self.sessions.require(config.session_id)
             events = self.recognize(config.format, config.language, _client_audio(request_iterator, clock),
-                                    phrases=(config.prompt,) if config.prompt.strip() else (),
+                                    phrases=(config.prompt,),
                                     max_utterance_s=config.max_utterance_s, context_pause_ms=config.context_pause_ms,
                                     vad_threshold=config.vad_threshold, vad_gain_db=config.vad_gain_db)
             yield pb.TranscriptEvent(kind=Kind.READY, emitted_unix_ms=now_ms())

@@ -128,3 +128,7 @@ def test_the_transcript_drafter_cases_the_next_word_as_the_caption_must(generato
     written = tokenizer.encode("Originally from Chicago,", add_special_tokens=False)
     draft = TranscriptDrafter(constraint, transcript, tokenizer, 0).propose(written, 4)
     assert tokenizer.decode(list(draft.tokens)).startswith(" oh I'm"), tokenizer.decode(list(draft.tokens))
+    # a number of the same length as one of its spoken words ("100", "one") is no casing of it
+    number = "100 people came."
+    draft = TranscriptDrafter(TokenConstraint(number, tokenizer, [0]), number, tokenizer, 0).propose([], 4)
+    assert tokenizer.decode(list(draft.tokens)).startswith("100 people"), tokenizer.decode(list(draft.tokens))
