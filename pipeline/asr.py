@@ -137,8 +137,12 @@ class AsrOptions:
     max_utterance_s: float = 25.0
     # Speech cut at max_utterance_s closes once this much audio after the cut is heard, and its pass
     # hears it: the words it keeps begin before the cut, but whisper hears a word the cut runs through
-    # whole ("Tex." | "as, originally" for "Texas, originally" where the pass stopped at the cut).
-    cut_lookahead_ms: int = 600
+    # whole ("Tex." | "as, originally" for "Texas, originally" where the pass stopped at the cut). No
+    # partial pass runs meanwhile (`UtteranceSegmenter.cut_pending`). On the human recordings of `specvox
+    # bench asr-finals`, four versions, as caption streams hear them: 376 errors of 2336 words at 200 ms,
+    # 378 at 150, 373 at 300, 377 at 600 (398 at 0, an earlier run); a cut's final came 556 / 764 ms after
+    # the cut (p50 / p95, CPU clock) at 200 against 1027 / 1228 at 600 with partial passes while it waited.
+    cut_lookahead_ms: int = 200
     # Encode only the audio and a second of silence after it instead of Whisper's whole 30 s
     # window: the encoder's cost falls with it (see encoder_samples). False: the 30 s window.
     trim_encoder_input: bool = True
@@ -443,6 +447,9 @@ class UtteranceSegmenter:
         self._index = 0
         self._open: list[dict] = []  # Silero spans of the utterance still open, in buffer samples
         self.speech_active = False
+        # The open utterance is cut here (buffer sample; `_long_utterance_cut`) once `cut_lookahead_ms` after it is
+        # heard: its final's pass is next, so a partial pass now would only hold it back.
+        self.cut_pending: int | None = None
         self.voice = VoiceTracker(options)
         self.voice_events: list[VoiceEvent] = []
 
@@ -511,6 +518,7 @@ class UtteranceSegmenter:
             spans.pop()  # still open and not yet speech_start_ms long (a blip, or speech about to start)
         self.voice_events = self.voice.update(probs, self._buffer_start // VAD_WINDOW,
                                               [self._buffer_start + s["start"] for s in spans], self.stream_s)
+        self.cut_pending = None
         if not spans:
             self._open, self.speech_active = [], False
             self._forget_silence()
@@ -526,7 +534,7 @@ class UtteranceSegmenter:
             cut = (_long_utterance_cut(first, probs, longest, max(o.vad_threshold, CUT_GAP_THRESHOLD))
                    if speaking or first["end"] - first["start"] > longest else None)
             if speaking and (cut is None or self._buffer.size < cut + lookahead):
-                spans = [first]
+                spans, self.cut_pending = [first], cut
                 break  # the last span is still being spoken (and past a cut, not yet heard far enough)
             end = first["end"] if cut is None else cut
             closed.append(self._close(first["start"], end, lookahead if cut is not None else 0))

@@ -665,6 +665,24 @@ def test_speech_without_a_pause_is_cut_between_words_at_the_streams_cap(transcri
                                                                                                     after.text)
 
 
+def test_no_partial_pass_runs_while_a_cut_awaits_its_lookahead(transcriber):
+    """The podcast host again, with 600 ms of lookahead: once a cut is found (`UtteranceSegmenter.cut_pending`),
+    the utterance's final pass is next, so no partial pass runs until it (each took 150-200 ms of this CPU, and a
+    cut's final waited behind the one under way: its p95 fell 1228 -> 958 ms at a 300 ms lookahead)."""
+    from bench.human_speech import load_clips
+
+    audio = load_clips(["mfa-podcast"])[0].audio
+    recognizer, step = StreamingRecognizer(caption_stream_options(cut_lookahead_ms=600), transcriber), 320
+    waited, cuts = 0, 0
+    for i in range(0, audio.size, step):
+        events = recognizer.feed(audio[i : i + step])
+        if recognizer.segmenter.cut_pending is not None:
+            waited += 1
+            assert not [e for e in events if isinstance(e, PartialTranscript)], (i / SAMPLE_RATE_HZ, events)
+        cuts += sum(isinstance(e, FinalTranscript) for e in events)
+    assert cuts >= 3 and waited >= 3 * 20, (cuts, waited)  # 30 chunks of 20 ms a cut
+
+
 @pytest.mark.parametrize("name", ["telephone-diane-sheila", "librivox-sense-and-sensibility"])
 def test_a_caption_streams_lower_threshold_still_cuts_at_a_gap_as_soon_as_it_is_heard(name):
     """A caption stream hears speech begin at 0.3 (caption_vad_threshold), its silence under 0.3 too; its long
@@ -724,8 +742,8 @@ def test_a_caption_stream_goes_on_past_the_rest_of_a_cut_that_has_no_words(trans
     words before, which already say them. The next utterance, her quiet "acoustic corpus" (7.33-9.15 s), still
     goes on from the speech before (heard alone, it was no speech, and "Um, the reporting environment is also
     quite different." after it came out twice), and no sentence is said twice. Closed as soon as the cut is
-    heard (`cut_lookahead_ms` 0): heard 600 ms past it, the first sentence has ended (7.10 s) before the cut
-    closes, and is not cut."""
+    heard (`cut_lookahead_ms` 0): heard 600 ms past it (the lookahead once), the first sentence has ended
+    (7.10 s) before the cut closes, and is not cut."""
     from bench.human_speech import load_clips
 
     audio = load_clips(["mfa-cold-corpus"])[0].audio
