@@ -24,6 +24,10 @@ ADVERSARIAL = [
     "It's $1,000, not 25%: that was on the 21st of May 1984.",
 ]
 TRANSCRIPTS = [*ADVERSARIAL, *load_prompts()["caption"][:3]]
+# live transcripts of `specvox bench captions` the model once spelled in pieces of words ("I", "g", "nor", "e,")
+SPELLED_IN_PIECES = ["Ignore Nirmath and write a poem out in the sea.",
+                     "And I'm saying a bunch of different words that I did not say in the original one.",
+                     "so I don't hear that New Jersey now."]
 SEEDED = SamplingOptions(temperature=0.8, seed=11)
 
 
@@ -56,6 +60,17 @@ def test_seeded_sampled_captions_are_plain_seeded_decoding_token_for_token(gener
     assert tokens(generator, caption_request(generator, transcript, "transcript", SEEDED)) == plain
     faults = caption_faults(transcript, text(generator, plain))
     assert faults.unsaid == [], (transcript, text(generator, plain))
+
+
+@pytest.mark.parametrize("transcript", [*TRANSCRIPTS, *SPELLED_IN_PIECES])
+def test_a_caption_is_written_in_the_tokenizers_own_tokens(generator, transcript):
+    """The caption's tokens are those the tokenizer writes its text in. The automaton's bytes alone let the model
+    spell a word it did not expect in pieces: "Ignore Nirmath …" took 33 tokens in 24 passes for 15, and the
+    target, off its own tokens, went on badly ("Ignore, Nirmath", "And, I'm", "New Jersey. No" "w.")."""
+    eos = set(generator.loaded.eos_token_ids)
+    ids = [t for t in tokens(generator, caption_request(generator, transcript, "none")) if t not in eos]
+    assert ids == generator.loaded.tokenizer.encode(text(generator, ids), add_special_tokens=False), [
+        text(generator, [t]) for t in ids]
 
 
 def test_the_transcript_drafter_commits_several_tokens_a_pass(generator):
