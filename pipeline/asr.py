@@ -447,9 +447,9 @@ class UtteranceSegmenter:
         self._index = 0
         self._open: list[dict] = []  # Silero spans of the utterance still open, in buffer samples
         self.speech_active = False
-        # The open utterance is cut here (buffer sample; `_long_utterance_cut`) once `cut_lookahead_ms` after it is
-        # heard: its final's pass is next, so a partial pass now would only hold it back.
-        self.cut_pending: int | None = None
+        # The open utterance has its cut (`_long_utterance_cut`) and closes there once `cut_lookahead_ms` after it
+        # is heard: its final's pass is next, so a partial pass now would only hold it back.
+        self.cut_pending = False
         self.voice = VoiceTracker(options)
         self.voice_events: list[VoiceEvent] = []
 
@@ -518,7 +518,7 @@ class UtteranceSegmenter:
             spans.pop()  # still open and not yet speech_start_ms long (a blip, or speech about to start)
         self.voice_events = self.voice.update(probs, self._buffer_start // VAD_WINDOW,
                                               [self._buffer_start + s["start"] for s in spans], self.stream_s)
-        self.cut_pending = None
+        self.cut_pending = False
         if not spans:
             self._open, self.speech_active = [], False
             self._forget_silence()
@@ -534,7 +534,7 @@ class UtteranceSegmenter:
             cut = (_long_utterance_cut(first, probs, longest, max(o.vad_threshold, CUT_GAP_THRESHOLD))
                    if speaking or first["end"] - first["start"] > longest else None)
             if speaking and (cut is None or self._buffer.size < cut + lookahead):
-                spans, self.cut_pending = [first], cut
+                spans, self.cut_pending = [first], cut is not None
                 break  # the last span is still being spoken (and past a cut, not yet heard far enough)
             end = first["end"] if cut is None else cut
             closed.append(self._close(first["start"], end, lookahead if cut is not None else 0))

@@ -334,7 +334,7 @@ class StreamingRecognizer:
         silence lasts): a pass over silence finds no new words, and one still running when the
         VAD closes the utterance would hold the final back."""
         passed = self._pass_index == utterance.index  # a pass of this utterance has run
-        if self.segmenter.cut_pending is not None:
+        if self.segmenter.cut_pending:
             return False
         if self.segmenter.silence_after_s > 0:
             margin_heard = passed and self._heard_margin(self._pass_heard_s, utterance)

@@ -603,8 +603,10 @@ class TokenConstraint:
         if states not in self._allowed:
             found: dict[int, frozenset[State]] = {}
             self._walk(self.trie.root, states - {AFTER_SPACE}, found)
-            out = {token: after for token, after in ((t, self._as_tokenized(t, a, AFTER_SPACE in states))
-                                                     for t, a in found.items()) if after}
+            spaced, out = AFTER_SPACE in states, {}
+            for token, after in found.items():
+                if kept := self._as_tokenized(token, after, spaced):
+                    out[token] = kept
             if not out:  # no token writes the next text as the tokenizer would (a form none of its tokens fits)
                 out = found
             if self.automaton.accepts(states) or not out:  # (not out: no state here has a way on; never so)

@@ -676,7 +676,7 @@ def test_no_partial_pass_runs_while_a_cut_awaits_its_lookahead(transcriber):
     waited, cuts = 0, 0
     for i in range(0, audio.size, step):
         events = recognizer.feed(audio[i : i + step])
-        if recognizer.segmenter.cut_pending is not None:
+        if recognizer.segmenter.cut_pending:
             waited += 1
             assert not [e for e in events if isinstance(e, PartialTranscript)], (i / SAMPLE_RATE_HZ, events)
         cuts += sum(isinstance(e, FinalTranscript) for e in events)
